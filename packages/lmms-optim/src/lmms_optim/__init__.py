@@ -1,0 +1,27 @@
+"""lmms-optim: Muon with Triton Newton–Schulz, single-device and distributed over FSDP2.
+
+Depends on torch only; Triton (shipped with CUDA builds of torch) is imported lazily on CUDA.
+"""
+
+from ._groups import DEFAULT_ADAMW_PATTERNS, build_muon_param_groups
+from ._muon import Muon, lr_scale
+from ._ns import (
+    COEFFICIENT_SCHEDULES,
+    NSSchedule,
+    newton_schulz,
+    newton_schulz_reference,
+    resolve_schedule,
+)
+
+__all__ = [
+    "COEFFICIENT_SCHEDULES",
+    "DEFAULT_ADAMW_PATTERNS",
+    "Muon",
+    "NSSchedule",
+    "build_muon_param_groups",
+    "lr_scale",
+    "newton_schulz",
+    "newton_schulz_reference",
+    "resolve_schedule",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,250 @@
+"""The Muon optimizer (with an AdamW side for non-matrix parameters) as one torch Optimizer."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from ._ns import Backend, Coefficients, NSSchedule, newton_schulz, resolve_schedule
+
+__all__ = ["Muon", "lr_scale"]
+
+_ADJUST_MODES = (None, "none", "original", "rms", "spectral")
+
+
+def lr_scale(adjust_lr: str | None, shape: Sequence[int]) -> float:
+    """Multiplier on the Muon lr for a matrix of ``shape`` ``[fan_out, fan_in, ...]``.
+
+    - ``None`` / ``"none"``: 1 (the orthogonal update has spectral norm ~1).
+    - ``"original"``: ``sqrt(max(1, fan_out / fan_in))`` (Keller Jordan's reference code).
+    - ``"rms"``: ``0.2 · sqrt(max(fan_out, fan_in))``: update RMS ≈ 0.2 like AdamW's, so AdamW
+      learning rates and weight decay transfer (Moonlight, Liu et al. 2025).
+    - ``"spectral"``: ``sqrt(fan_out / fan_in)`` (the spectral-condition scaling).
+    """
+    fan_out = shape[0]
+    fan_in = math.prod(shape[1:])
+    if adjust_lr in (None, "none"):
+        return 1.0
+    if adjust_lr == "original":
+        return math.sqrt(max(1.0, fan_out / fan_in))
+    if adjust_lr == "rms":
+        return 0.2 * math.sqrt(max(fan_out, fan_in))
+    if adjust_lr == "spectral":
+        return math.sqrt(fan_out / fan_in)
+    raise ValueError(f"adjust_lr must be one of {_ADJUST_MODES}, got {adjust_lr!r}")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (shares storage under no_grad), or the tensor itself."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # type: ignore[attr-defined]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "_local_tensor") and hasattr(t, "placements")
+
+
+class Muon(Optimizer):
+    """Muon (momentum → Newton–Schulz orthogonalisation) for matrices, AdamW for the rest.
+
+    Every param group carries ``use_muon``. Groups without it are split: parameters with
+    ``ndim == 2`` take Muon, the others AdamW (use :func:`build_muon_param_groups` for a model:
+    it also sends embeddings and output heads to AdamW). Muon groups read ``lr``, ``momentum``,
+    ``nesterov``, ``ns_steps``, ``ns_coefficients``, ``weight_decay``, ``adjust_lr``; AdamW
+    groups read ``lr``, ``betas``, ``eps``, ``weight_decay`` (the ``adamw_*`` constructor
+    arguments are their defaults).
+
+    Muon update per matrix ``W [fan_out, fan_in]`` with gradient ``G`` (EMA momentum form of the
+    published algorithm)::
+
+        M = μ·M + (1-μ)·G ;  U = (1-μ)·G + μ·M  if nesterov else M
+        O = NS(U)          ;  W = W·(1 - lr·wd) - lr·lr_scale(adjust_lr, W.shape)·O
+
+    Weight decay is decoupled and uses the unscaled ``lr`` (so with ``adjust_lr="rms"`` the
+    same ``lr``/``weight_decay`` pair behaves like AdamW's). Matrices with more than two dims
+    are flattened to ``[shape[0], -1]``. Same-shaped matrices are orthogonalised together in one
+    batched Newton–Schulz call; FSDP2 DTensor parameters (``Shard(0)``, optionally with
+    ``Replicate`` mesh dims) are gathered to an owner rank per matrix (see ``docs/muon.md``).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        adjust_lr: str | None = None,
+        *,
+        ns_coefficients: str | NSSchedule | Sequence[Coefficients] = "jordan",
+        backend: Backend = "auto",
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        dist_bucket_numel: int = 1 << 25,
+    ) -> None:
+        if lr < 0 or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"invalid lr={lr} or momentum={momentum}")
+        lr_scale(adjust_lr, (1, 1))  # validates the mode
+        resolve_schedule(ns_coefficients)
+        self.backend = backend
+        self.dist_bucket_numel = int(dist_bucket_numel)
+        muon_defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+            weight_decay=weight_decay, adjust_lr=adjust_lr, ns_coefficients=ns_coefficients,
+        )  # fmt: skip
+        adamw_defaults = dict(
+            lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+            weight_decay=adamw_weight_decay,
+        )  # fmt: skip
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        split: list[dict[str, Any]] = []
+        for g in groups:
+            g = dict(g)
+            ps = list(g.pop("params"))
+            if "use_muon" in g:
+                split.append({"params": ps, **g})
+                continue
+            mats, rest = [p for p in ps if p.ndim == 2], [p for p in ps if p.ndim != 2]
+            if mats:
+                split.append({"params": mats, "use_muon": True, **g})
+            if rest:
+                split.append({"params": rest, "use_muon": False, **g})
+        for g in split:
+            for k, v in (muon_defaults if g["use_muon"] else adamw_defaults).items():
+                g.setdefault(k, v)
+            if g["use_muon"]:
+                for p in g["params"]:
+                    if p.ndim < 2:
+                        raise ValueError(f"Muon needs parameters with ndim >= 2, got {p.shape}")
+        super().__init__(split, {})
+
+    # ------------------------------------------------------------------ AdamW side
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["step"] += 1
+            params.append(_local(p))
+            grads.append(_local(p.grad))
+            exp_avgs.append(_local(st["exp_avg"]))
+            exp_avg_sqs.append(_local(st["exp_avg_sq"]))
+        if not params:
+            return
+        # Same arithmetic as torch.optim.AdamW; parameters are batched by their step count.
+        by_step: dict[float, list[int]] = defaultdict(list)
+        for i, p in enumerate(p for p in group["params"] if p.grad is not None):
+            by_step[float(self.state[p]["step"])].append(i)
+        for step, idx in by_step.items():
+            ps = [params[i] for i in idx]
+            gs = [grads[i] for i in idx]
+            ms = [exp_avgs[i] for i in idx]
+            vs = [exp_avg_sqs[i] for i in idx]
+            bc1 = 1 - beta1**step
+            bc2_sqrt = math.sqrt(1 - beta2**step)
+            if wd != 0:
+                torch._foreach_mul_(ps, 1 - lr * wd)
+            torch._foreach_lerp_(ms, gs, 1 - beta1)
+            torch._foreach_mul_(vs, beta2)
+            torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
+            denom = torch._foreach_sqrt(vs)
+            torch._foreach_div_(denom, bc2_sqrt)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(ps, ms, denom, -lr / bc1)
+
+    # ------------------------------------------------------------------ Muon side
+    def _muon_updates(self, group: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Momentum update; returns (param, local update U) for params with a gradient."""
+        ps, gs, bufs = [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            ps.append(p)
+            gs.append(_local(p.grad))
+            bufs.append(_local(st["momentum_buffer"]))
+        if not ps:
+            return []
+        mu = group["momentum"]
+        torch._foreach_lerp_(bufs, gs, 1 - mu)  # M = μM + (1-μ)G
+        if group["nesterov"]:
+            ups = [g.lerp(b, mu) for g, b in zip(gs, bufs)]  # (1-μ)G + μM
+        else:
+            ups = bufs
+        return list(zip(ps, ups))
+
+    def _orthogonalize(
+        self, items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
+    ) -> list[torch.Tensor]:
+        """Local orthogonalised updates (bf16, local shape of each param) for (p, U, group)."""
+        out: list[torch.Tensor | None] = [None] * len(items)
+        dist_idx = [i for i, (p, _, _) in enumerate(items) if _is_dtensor(p)]
+        if dist_idx:
+            from ._distributed import orthogonalize_sharded
+
+            res = orthogonalize_sharded(
+                [(items[i][0], items[i][1], _ns_key(items[i][2])) for i in dist_idx],
+                ns_fn=self._ns,
+                bucket_numel=self.dist_bucket_numel,
+            )
+            for i, r in zip(dist_idx, res):
+                out[i] = r
+        # Local matrices: stack same-shaped ones and run one batched NS per (shape, schedule).
+        buckets: dict[tuple, list[int]] = defaultdict(list)
+        for i, (_p, u, g) in enumerate(items):
+            if out[i] is None:
+                buckets[(tuple(u.shape), u.device, _ns_key(g))].append(i)
+        for (_, _, key), idx in buckets.items():
+            stack = torch.stack([items[i][1].reshape(items[i][1].size(0), -1) for i in idx])
+            res = self._ns(stack, key)  # [B, m, n]
+            for j, i in enumerate(idx):
+                out[i] = res[j].view(items[i][1].shape)
+        return out  # type: ignore[return-value]
+
+    def _ns(self, stack: torch.Tensor, key: tuple) -> torch.Tensor:
+        steps, schedule = key
+        return newton_schulz(stack, steps, coefficients=schedule, backend=self.backend)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        for group in self.param_groups:
+            if group["use_muon"]:
+                items.extend((p, u, group) for p, u in self._muon_updates(group))
+            else:
+                self._adamw_step(group)
+        if not items:
+            return loss
+        updates = self._orthogonalize(items)
+        for (p, _, g), o in zip(items, updates):
+            lp = _local(p)
+            if g["weight_decay"] != 0:
+                lp.mul_(1 - g["lr"] * g["weight_decay"])
+            lp.add_(o.view(lp.shape), alpha=-g["lr"] * lr_scale(g["adjust_lr"], p.shape))
+        return loss
+
+
+def _ns_key(group: dict[str, Any]) -> tuple:
+    return (int(group["ns_steps"]), resolve_schedule(group["ns_coefficients"]))
