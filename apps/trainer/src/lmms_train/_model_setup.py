@@ -1,0 +1,210 @@
+"""Model set-up: spec lookup, config assembly, build, freeze, kernels, AC, SP and FSDP2.
+
+Order (STYLE.md #3): build (meta for pretrained weights on several ranks, else CPU with the run
+seed so every rank starts from identical weights) -> freeze -> Liger -> attention (+ Ulysses
+wrapper) -> activation checkpointing -> FSDP2 -> materialise/load weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmms_train._dist import DistEnv
+from lmms_train._errors import ConfigError, UserError, suggest
+from lmms_train.config import TrainConfig
+
+__all__ = ["BuiltModel", "build_model", "deep_merge", "resolve_spec"]
+
+
+@dataclass(kw_only=True, slots=True)
+class BuiltModel:
+    spec: Any
+    model: nn.Module
+    hf_config: Any
+    frozen: list[str]
+    handles: list[Any]  # patch/AC handles kept alive for the run
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` merged into a copy of `base`, recursing into nested dicts."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def resolve_spec(cfg: TrainConfig) -> Any:
+    """The registered model spec named by the config; the error lists the registered ones."""
+    from lmms_models import get_model_spec, list_models
+
+    m = cfg.model_config
+    if m.load_from_config is not None:
+        name = m.load_from_config.model_type
+    else:
+        name = m.model_type
+        if name is None:
+            cfg_file = Path(m.load_from_pretrained_path or "") / "config.json"
+            if not cfg_file.is_file():
+                raise UserError(
+                    f"model_config.load_from_pretrained_path: no config.json in {m.load_from_pretrained_path!r}"
+                    " (only local folders are supported; set model_config.model_type to override)"
+                )
+            name = json.loads(cfg_file.read_text()).get("model_type", "")
+    registered = list_models()
+    if name not in registered:
+        raise ConfigError(
+            f"model type {name!r} is not registered{suggest(name, registered)}; "
+            f"registered: {', '.join(registered)}"
+        )
+    return get_model_spec(name)
+
+
+def model_config_dict(
+    cfg: TrainConfig, spec: Any, token_ids: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The HF config dict for `load_from_config` (tiny base + user keys + processor token ids)."""
+    lfc = cfg.model_config.load_from_config
+    assert lfc is not None
+    base = spec.tiny_config() if lfc.tiny else {}
+    conf = deep_merge(base, lfc.config)
+    if token_ids:
+        # Token ids of a locally built processor must match the embedding table.
+        text = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else None
+        for key, value in token_ids.items():
+            if key == "vocab_size":
+                if text is not None:
+                    text.setdefault(key, value)
+                    text[key] = max(text[key], value)
+                conf[key] = max(conf.get(key, value), value)
+            elif key.endswith("_token_id") and key not in lfc.config:
+                conf[key] = value
+                if text is not None and key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+                    text[key] = value
+    return conf
+
+
+def _freeze(model: nn.Module, spec: Any, names: list[str]) -> list[str]:
+    named = {
+        "vision_tower": lambda: [spec.vision_tower(model)],
+        "embeddings": lambda: spec.embeddings(model),
+        "lm_head": lambda: [spec.lm_head(model)],
+        "language_model": lambda: [spec.text_model(model)],
+    }
+    params = dict(model.named_parameters())
+    frozen: list[str] = []
+    for name in names:
+        if name in named:
+            mods = [m for m in named[name]() if m is not None]
+            if not mods:
+                raise ConfigError(f"trainer_args.freeze: {spec.name} has no {name}")
+            for mod in mods:
+                for p in mod.parameters():
+                    p.requires_grad_(False)
+            frozen.append(name)
+            continue
+        hits = [n for n in params if n == name or n.startswith(name + ".")]
+        if not hits:
+            prefixes = sorted({".".join(n.split(".")[:k]) for n in params for k in (1, 2, 3)})
+            raise ConfigError(
+                f"trainer_args.freeze: {name!r} matches no module{suggest(name, list(named) + prefixes)}; "
+                f"use {', '.join(named)} or a module path prefix"
+            )
+        for n in hits:
+            params[n].requires_grad_(False)
+        frozen.append(name)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError("trainer_args.freeze froze every parameter: nothing to train")
+    return frozen
+
+
+def build_model(
+    cfg: TrainConfig, env: DistEnv, spec: Any, token_ids: dict[str, Any] | None
+) -> BuiltModel:
+    """Build and parallelise the model for this rank."""
+    m, t = cfg.model_config, cfg.trainer_args
+    handles: list[Any] = []
+    meta = env.distributed and m.load_from_pretrained_path is not None
+    attn = t.attn_backend if t.use_rmpad else "sdpa"
+    try:
+        if m.load_from_config is not None:
+            conf = model_config_dict(cfg, spec, token_ids)
+            hf_config = spec.make_config(conf)
+            torch.manual_seed(t.seed)
+            target = "cpu" if env.distributed else env.device
+            model = spec.build(config=conf, device=target, attn_backend=attn)
+        elif meta:
+            from lmms_parallel import meta_init
+
+            with meta_init():
+                model = spec.build(
+                    pretrained=m.load_from_pretrained_path, device="meta", attn_backend=attn
+                )
+            hf_config = model.config
+        else:
+            model = spec.build(
+                pretrained=m.load_from_pretrained_path, device=env.device, attn_backend=attn
+            )
+            hf_config = model.config
+    except (ValueError, TypeError, OSError) as exc:
+        raise UserError(f"model_config: could not build {spec.name}: {exc}") from exc
+    frozen = _freeze(model, spec, t.freeze)
+    if t.use_liger_kernel:
+        handles.append(_apply_liger(model, spec, env))
+    if env.sp > 1:
+        from lmms_parallel import UlyssesAttention, sp_group
+
+        wrapper = UlyssesAttention(sp_group(env.mesh))
+        spec.set_attention(model, backend=attn, wrapper=wrapper)
+        handles.append(_install_sp(model, spec, env))
+    if t.activation_checkpointing != "none":
+        from lmms_parallel import apply_activation_checkpointing
+
+        blocks = spec.decoder_blocks(model) + spec.vision_blocks(model)
+        handles.append(apply_activation_checkpointing(blocks, mode=t.activation_checkpointing))
+    if env.distributed:
+        from lmms_parallel import apply_fsdp, fsdp_mesh
+
+        blocks = spec.vision_blocks(model) + spec.decoder_blocks(model) + spec.embeddings(model)
+        apply_fsdp(
+            model,
+            fsdp_mesh(env.mesh),
+            blocks=blocks,
+            param_dtype=torch.bfloat16 if t.bf16 else None,
+            reshard_after_forward=t.reshard_after_forward,
+        )
+        if meta:
+            from lmms_parallel import load_full_state_dict, materialize
+
+            materialize(model, env.device)
+            load_full_state_dict(model, m.load_from_pretrained_path)
+    return BuiltModel(spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles)
+
+
+def _apply_liger(model: nn.Module, spec: Any, env: DistEnv) -> Any:
+    if env.device.type != "cuda":
+        raise ConfigError("trainer_args.use_liger_kernel: Liger's kernels need a CUDA GPU")
+    try:
+        from lmms_kernels import apply_liger
+    except ImportError as exc:
+        raise UserError(f"use_liger_kernel: lmms_kernels.apply_liger unavailable: {exc}") from exc
+    return apply_liger(model, spec.name)
+
+
+def _install_sp(model: nn.Module, spec: Any, env: DistEnv) -> Any:
+    """Slice the text decoder's inputs over the SP group (lmms_parallel's hook)."""
+    import lmms_parallel
+
+    install = getattr(lmms_parallel, "install_sp", None) or getattr(lmms_parallel, "apply_sp", None)
+    if install is None:
+        raise NotImplementedError("lmms_parallel exposes no sequence-parallel slicing hook yet")
+    return install(model, spec, env.mesh)

@@ -1,0 +1,97 @@
+"""Optimizer and schedule from `trainer_args`: AdamW, or Muon for every family.
+
+Muon's parameter split is model-agnostic: it goes by the spec's hooks, not parameter names:
+2-D weights of the decoder and vision blocks take Muon; embeddings, the LM head, norms and
+biases take AdamW (their update geometry is not a matrix one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmms_train._schedule import ScheduleConfig, build_scheduler
+from lmms_train.config import TrainerArgs
+
+__all__ = ["build_optimizer", "build_schedule"]
+
+
+def _no_decay(name: str, p: torch.Tensor) -> bool:
+    return p.ndim < 2 or name.endswith(".bias")
+
+
+def build_optimizer(model: nn.Module, spec: Any, t: TrainerArgs) -> torch.optim.Optimizer:
+    """AdamW (no decay on norms/biases) or Muon over the trainable parameters of `model`."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if t.optimizer == "adamw":
+        decay = [p for n, p in named if not _no_decay(n, p)]
+        other = [p for n, p in named if _no_decay(n, p)]
+        groups = [
+            g
+            for g in (
+                {"params": decay, "weight_decay": t.weight_decay},
+                {"params": other, "weight_decay": 0.0},
+            )
+            if g["params"]
+        ]
+        kwargs: dict[str, Any] = {}
+        if any(p.is_cuda for _, p in named):
+            kwargs["fused"] = True
+        return torch.optim.AdamW(
+            groups,
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_epsilon,
+            **kwargs,
+        )
+    from lmms_optim import Muon
+
+    excluded = {
+        id(p) for m in [*spec.embeddings(model), spec.lm_head(model)] for p in m.parameters()
+    }
+    muon = [p for n, p in named if p.ndim >= 2 and id(p) not in excluded]
+    adamw = [p for n, p in named if not (p.ndim >= 2 and id(p) not in excluded)]
+    groups = []
+    if muon:
+        groups.append(
+            {
+                "params": muon,
+                "use_muon": True,
+                "lr": t.muon_learning_rate or t.learning_rate,
+                "momentum": t.muon_momentum,
+                "weight_decay": t.weight_decay,
+            }
+        )
+    if adamw:
+        groups.append(
+            {
+                "params": adamw,
+                "use_muon": False,
+                "lr": t.learning_rate,
+                "betas": (t.adam_beta1, t.adam_beta2),
+                "eps": t.adam_epsilon,
+                "weight_decay": 0.0,
+            }
+        )
+    return Muon(
+        groups,
+        lr=t.muon_learning_rate or t.learning_rate,
+        momentum=t.muon_momentum,
+        adjust_lr="rms",
+    )
+
+
+def build_schedule(
+    optimizer: torch.optim.Optimizer, t: TrainerArgs
+) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = t.warmup_steps or round(t.warmup_ratio * t.max_steps)
+    sc = ScheduleConfig(
+        kind=t.lr_scheduler_type,
+        max_steps=t.max_steps,
+        warmup_steps=warmup,
+        min_lr_ratio=t.min_lr_ratio,
+        wsd_decay_ratio=t.wsd_decay_ratio,
+    )
+    return build_scheduler(optimizer, sc)

@@ -1,0 +1,124 @@
+"""One optimizer step over the step's micro-batches, with globally normalised loss.
+
+The loss of a step is sum(token losses) / (supervised tokens in the *global* batch: every
+micro-batch of every data-parallel rank). The step's packs are fetched first, their counts are
+all-reduced once, and each micro-batch's backward runs on `loss_sum * grad_scale / global_count`,
+where `grad_scale` undoes the averaging the gradient reduction does (FSDP2 averages over its
+mesh). So GA, DP world size, packing and SP never change the loss or the gradient. Gradients are
+reduced only after the last micro-batch (`set_requires_gradient_sync(False)` before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["StepStats", "batch_stats", "move_batch", "run_micro_batches"]
+
+# Per-step sums all-reduced in one call (order matters: see `batch_stats`).
+STAT_KEYS = (
+    "loss_tokens",
+    "tokens",
+    "samples",
+    "vision_tokens",
+    "flops_lm",
+    "flops_vision",
+    "capacity",
+    "packs",
+    "data_wait",
+    "stop",
+)
+
+
+@dataclass(kw_only=True, slots=True)
+class StepStats:
+    sums: dict[str, float]
+    seq_min: float
+    seq_max: float
+
+
+def _seq_lens(batch: dict[str, Any]) -> list[int]:
+    cu = batch["cu_seqlens"]
+    n = int(batch.get("num_samples", len(cu) - 1))
+    lens = (cu[1:] - cu[:-1])[:n]
+    return [int(x) for x in lens.tolist()]
+
+
+def batch_stats(
+    batches: list[dict[str, Any]], *, flops_fn, packing_length: int
+) -> tuple[dict[str, float], list[int]]:
+    """This rank's sums for the step's micro-batches and the list of its sample lengths."""
+    sums = dict.fromkeys(STAT_KEYS, 0.0)
+    all_lens: list[int] = []
+    for b in batches:
+        lens = _seq_lens(b)
+        all_lens += lens
+        sums["loss_tokens"] += int(b["num_loss_tokens"])
+        sums["tokens"] += sum(lens)
+        sums["samples"] += len(lens)
+        sums["vision_tokens"] += int(b.get("vision_tokens", 0))
+        lm, vis = flops_fn(b, lens)
+        sums["flops_lm"] += lm
+        sums["flops_vision"] += vis
+        sums["capacity"] += max(packing_length, int(b["input_ids"].shape[-1]))
+        sums["packs"] += 1
+    return sums, all_lens
+
+
+def move_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Tensors to `device` (pinned + non_blocking on CUDA); other entries unchanged."""
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor) and v.device != device:
+            if device.type == "cuda":
+                v = v.pin_memory() if not v.is_pinned() else v
+                v = v.to(device, non_blocking=True)
+            else:
+                v = v.to(device)
+        out[k] = v
+    return out
+
+
+def run_micro_batches(
+    *,
+    model: torch.nn.Module,
+    forward,  # (model, batch) -> (loss_sum, n_tokens)
+    batches: list[dict[str, Any]],
+    device: torch.device,
+    scale: float,
+    autocast_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Forward+backward every micro-batch; returns this rank's summed (unscaled) loss."""
+    can_toggle = hasattr(model, "set_requires_gradient_sync")
+    total = torch.zeros((), dtype=torch.float64)
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        if can_toggle:
+            model.set_requires_gradient_sync(last)
+        batch = move_batch(batch, device)
+        ctx = (
+            torch.autocast(device.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            loss_sum, _ = forward(model, batch)
+        (loss_sum.float() * scale).backward()
+        total += loss_sum.detach().to("cpu", torch.float64)
+    return total
+
+
+class Timer:
+    """Wall-clock timer that synchronises CUDA so device work is counted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()

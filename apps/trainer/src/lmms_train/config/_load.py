@@ -1,0 +1,222 @@
+"""YAML loading, dotted overrides, typed conversion and validation of a `TrainConfig`.
+
+Hand-written rather than a config library: the schema is three flat dataclasses, and what
+matters here (unknown keys with a suggestion, one readable error per problem, YAML loaded
+safely) is a few dozen lines; libraries add a dependency and their own error style.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from lmms_train._errors import ConfigError, suggest
+from lmms_train.config._schema import TrainConfig
+
+__all__ = ["apply_overrides", "config_from_dict", "config_to_dict", "load_config"]
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML file, apply `key.sub=value` overrides, return a validated `TrainConfig`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"malformed YAML in {path}: {_one_line(exc)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping with sections, got {type(raw).__name__}"
+        )
+    raw = apply_overrides(raw, overrides)
+    return config_from_dict(raw)
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Set `a.b.c=value` into a nested dict; values are parsed as YAML scalars/flow values."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: bad value: {_one_line(exc)}") from None
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> TrainConfig:
+    """Convert a nested dict into a validated `TrainConfig` (errors name the dotted key)."""
+    cfg = _build(TrainConfig, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            raise ConfigError(
+                f"unknown key {dotted!r}{suggest(key, names)}; valid keys: {', '.join(names)}"
+            )
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in inner:
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value if value is not None else {}, where)
+    if origin is Literal:
+        if value not in args:
+            choices = [str(a) for a in args]
+            raise ConfigError(
+                f"{where}: {value!r} is not one of {', '.join(choices)}{suggest(str(value), choices)}"
+            )
+        return value
+    if tp is Any:
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(float(value)) if float(value).is_integer() else int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Cross-field checks that need no model, data or process group."""
+    m, d, t = cfg.model_config, cfg.dataset_config, cfg.trainer_args
+    _check(
+        (m.load_from_pretrained_path is None) != (m.load_from_config is None),
+        "model_config: set exactly one of load_from_pretrained_path or load_from_config",
+    )
+    if m.load_from_config is not None:
+        _check(
+            bool(m.load_from_config.model_type),
+            "model_config.load_from_config.model_type is required",
+        )
+    _check(bool(d.dataset_path), "dataset_config.dataset_path is required")
+    _check(d.packing_length > 0, "dataset_config.packing_length must be > 0")
+    _check(
+        not d.packing or t.use_rmpad,
+        "dataset_config.packing: true needs trainer_args.use_rmpad: true "
+        "(packed rows are only correct with padding-free varlen attention)",
+    )
+    _check(d.num_workers >= 0, "dataset_config.num_workers must be >= 0")
+    _check(t.max_steps > 0, "trainer_args.max_steps must be > 0")
+    _check(
+        t.gradient_accumulation_steps >= 1, "trainer_args.gradient_accumulation_steps must be >= 1"
+    )
+    _check(t.learning_rate >= 0, "trainer_args.learning_rate must be >= 0")
+    _check(t.max_grad_norm >= 0, "trainer_args.max_grad_norm must be >= 0 (0 disables clipping)")
+    _check(0 <= t.warmup_ratio < 1, "trainer_args.warmup_ratio must be in [0, 1)")
+    _check(0 <= t.min_lr_ratio <= 1, "trainer_args.min_lr_ratio must be in [0, 1]")
+    _check(0 < t.wsd_decay_ratio <= 1, "trainer_args.wsd_decay_ratio must be in (0, 1]")
+    _check(t.warmup_steps >= 0, "trainer_args.warmup_steps must be >= 0")
+    _check(t.sp_ulysses_degree >= 1, "trainer_args.sp_ulysses_degree must be >= 1")
+    _check(t.dp_replicate >= 1, "trainer_args.dp_replicate must be >= 1")
+    _check(t.save_total_limit >= 1, "trainer_args.save_total_limit must be >= 1")
+    _check(
+        t.eval_steps >= 0 and t.save_steps >= 0, "trainer_args.eval_steps/save_steps must be >= 0"
+    )
+    _check(
+        t.eval_steps == 0 or d.eval_dataset_path is not None,
+        "trainer_args.eval_steps > 0 needs dataset_config.eval_dataset_path",
+    )
+    sinks = ["console", "wandb", "tensorboard", "jsonl"]
+    for s in t.report_to:
+        _check(
+            s in sinks,
+            f"trainer_args.report_to: unknown sink {s!r}{suggest(s, sinks)}; choose from {', '.join(sinks)}",
+        )
+    _check(t.peak_flops is None or t.peak_flops > 0, "trainer_args.peak_flops must be > 0")
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """A plain nested dict (YAML-dumpable) of a config dataclass."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, list):
+        return [config_to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: config_to_dict(v) for k, v in cfg.items()}
+    return cfg

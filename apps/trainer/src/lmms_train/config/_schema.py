@@ -1,0 +1,237 @@
+"""The typed run configuration: three sections, each a small dataclass with documented keys.
+
+Every field carries ``metadata["doc"]``; docs/config.md is generated from it
+(``lmms-train docs``), and a test checks that the page is current, so no key goes undocumented.
+"""
+
+# ruff: noqa: RUF009 -- `_f` returns a dataclasses.field (default + doc metadata)
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "DatasetConfig",
+    "LoadFromConfig",
+    "ModelConfig",
+    "SyntheticDataConfig",
+    "TrainConfig",
+    "TrainerArgs",
+]
+
+
+def _f(default: Any, doc: str) -> Any:
+    """A dataclass field with a documented default (lists/dicts get a factory)."""
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass(kw_only=True, slots=True)
+class LoadFromConfig:
+    """Build a model from a config instead of loading weights (random initialisation)."""
+
+    model_type: str = _f("", "Registered model family (`lmms_models` registry), e.g. `qwen2_5_vl`.")
+    tiny: bool = _f(
+        False,
+        "Start from the family's tiny test config (`spec.tiny_config()`) and apply `config` on top.",
+    )
+    config: dict[str, Any] = _f(
+        {}, "HF config keys (nested dicts merge recursively), e.g. `{hidden_size: 64}`."
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """What model to train and where its tokenizer/processor comes from."""
+
+    load_from_pretrained_path: str | None = _f(
+        None, "Local folder (or hub id) of a pretrained HF checkpoint to load."
+    )
+    load_from_config: LoadFromConfig | None = _f(
+        None, "Build from a config instead: `{model_type, tiny, config}`."
+    )
+    model_type: str | None = _f(
+        None,
+        "Model family for `load_from_pretrained_path` (default: the checkpoint's `model_type`).",
+    )
+    processor_path: str | None = _f(
+        None,
+        "Folder of the tokenizer/processor (default: `load_from_pretrained_path`).",
+    )
+    build_local_processor: bool = _f(
+        False,
+        "If `processor_path` does not exist, build a small tokenizer/processor there locally "
+        "(trained on the dataset text; no download). For demos and tests.",
+    )
+    trust_remote_code: bool = _f(False, "Allow remote model code from a checkpoint folder.")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyntheticDataConfig:
+    """Generate a deterministic synthetic vision-language dataset if `dataset_path` is missing."""
+
+    num_samples: int = _f(256, "Number of records to generate.")
+    format: Literal["parquet", "jsonl"] = _f("parquet", "File format of the generated dataset.")
+    seed: int = _f(0, "Seed of the generator (same seed, same files).")
+
+
+@dataclass(kw_only=True, slots=True)
+class DatasetConfig:
+    """Where the data is and how samples become packed micro-batches."""
+
+    dataset_type: str = _f(
+        "auto", "Registered dataset reader (`lmms_data` registry); `auto` picks by file type."
+    )
+    dataset_path: str = _f("", "File, folder or glob of the training records (required).")
+    data_folder: str | None = _f(
+        None, "Root folder for media paths in records (default: the dataset's folder)."
+    )
+    eval_dataset_path: str | None = _f(
+        None, "Held-out records for the periodic validation loss (`trainer_args.eval_steps`)."
+    )
+    generate_synthetic: SyntheticDataConfig | None = _f(
+        None,
+        "If set and `dataset_path` does not exist, generate synthetic demo data there first.",
+    )
+    packing: bool = _f(True, "Pack several samples into one padding-free row (micro-batch).")
+    packing_strategy: str = _f(
+        "first_fit", "Streaming bin-packing strategy of `lmms_pack` (e.g. `first_fit`, `best_fit`)."
+    )
+    packing_length: int = _f(
+        4096, "Tokens per packed row (with `packing: false`: the longest allowed sample)."
+    )
+    packing_buffer: int = _f(
+        64, "Open bins kept by the streaming packer (memory is O(buffer), not O(dataset))."
+    )
+    oversize_policy: Literal["error", "truncate", "drop"] = _f(
+        "error", "What to do with a sample longer than `packing_length`."
+    )
+    bad_record_policy: Literal["count", "raise"] = _f(
+        "count", "Unreadable or invalid records: count and skip them, or stop the run."
+    )
+    max_length: int | None = _f(None, "Truncate every sample to this many tokens first.")
+    shuffle: bool = _f(True, "Shuffle the record order (seeded by `trainer_args.seed`).")
+    shuffle_buffer: int = _f(1024, "Size of the streaming shuffle buffer.")
+    num_workers: int = _f(0, "Data loader worker processes per rank.")
+    allow_absolute_paths: bool = _f(
+        False, "Allow media paths in records that point outside `data_folder`."
+    )
+    image_max_pixels: int | None = _f(
+        None, "Upper bound on pixels per image for the processor (resizes larger images)."
+    )
+    image_min_pixels: int | None = _f(None, "Lower bound on pixels per image for the processor.")
+
+
+_Schedule = Literal["constant", "linear", "cosine", "wsd"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerArgs:
+    """How to train: steps, optimizer, schedule, parallelism, kernels, logging, checkpoints."""
+
+    output_dir: str = _f("runs/default", "Run folder: config.yaml, metrics.jsonl, checkpoints/.")
+    run_name: str | None = _f(
+        None, "Name shown in wandb/TensorBoard (default: output folder name)."
+    )
+    seed: int = _f(42, "Seed of model init, data order and dropout.")
+    max_steps: int = _f(100, "Optimizer steps to train for (the run length).")
+    gradient_accumulation_steps: int = _f(
+        1, "Micro-batches (packs) per rank per optimizer step; gradients sync once per step."
+    )
+    # optimizer
+    optimizer: Literal["adamw", "muon"] = _f(
+        "adamw", "`adamw`, or `muon` (Muon on hidden matrices, AdamW on the rest)."
+    )
+    learning_rate: float = _f(1e-5, "Peak learning rate (AdamW, and Muon's AdamW groups).")
+    muon_learning_rate: float | None = _f(
+        None, "Peak learning rate of Muon's matrix parameters (default: `learning_rate`)."
+    )
+    muon_momentum: float = _f(0.95, "Muon momentum.")
+    weight_decay: float = _f(0.0, "Decoupled weight decay.")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).")
+    # schedule
+    lr_scheduler_type: _Schedule = _f(
+        "cosine", "`constant`, `linear` (to min), `cosine` (to min) or `wsd` (warmup-stable-decay)."
+    )
+    warmup_steps: int = _f(0, "Linear warmup steps from 0 to the peak learning rate.")
+    warmup_ratio: float = _f(
+        0.0, "Warmup as a fraction of `max_steps` (used if `warmup_steps` is 0)."
+    )
+    min_lr_ratio: float = _f(0.0, "Final learning rate as a fraction of the peak.")
+    wsd_decay_ratio: float = _f(0.1, "WSD: fraction of `max_steps` spent in the final decay.")
+    # model dtype and kernels
+    bf16: bool = _f(True, "bf16 mixed precision (fp32 master weights, bf16 compute, fp32 reduce).")
+    use_rmpad: bool = _f(
+        True,
+        "Padding-free attention over packed rows (varlen, honours `cu_seqlens`); needed by packing.",
+    )
+    use_liger_kernel: bool = _f(False, "Swap in Liger's fused kernels (GPU).")
+    attn_backend: str = _f(
+        "auto",
+        "Varlen attention backend of `lmms_kernels` (`auto`, `fa4`, `fa`, `torch`, `flex`, `sdpa`).",
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = _f(
+        "none", "Recompute activations per block in backward to save memory."
+    )
+    freeze: list[str] = _f(
+        [],
+        "Modules to freeze: `vision_tower`, `embeddings`, `lm_head`, `language_model`, or module path prefixes.",
+    )
+    # parallelism
+    sp_ulysses_degree: int = _f(
+        1, "Ulysses sequence-parallel degree (ranks sharing one packed row)."
+    )
+    dp_replicate: int = _f(
+        1, "Replicated data-parallel degree (HSDP across groups); 1 = pure FSDP."
+    )
+    fsdp: bool = _f(True, "Shard parameters, gradients and optimizer state with FSDP2.")
+    reshard_after_forward: bool = _f(
+        True, "FSDP2: free gathered parameters after forward (ZeRO-3)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "`auto`: CUDA if available, else CPU.")
+    # evaluation
+    eval_steps: int = _f(
+        0, "Validation loss every this many steps (0: never; needs `eval_dataset_path`)."
+    )
+    eval_batches: int = _f(8, "Packed rows per rank per validation.")
+    # checkpoints
+    save_steps: int = _f(0, "Checkpoint every this many steps (0: only at the end and on SIGTERM).")
+    save_total_limit: int = _f(3, "Keep the last this many checkpoints.")
+    save_final: bool = _f(True, "Write a checkpoint at the end of training.")
+    export_hf: bool = _f(False, "Also export a consolidated HF safetensors folder at the end.")
+    resume_from: str | None = _f(
+        None, "`latest` (error if none), `auto` (latest if any), or a checkpoint folder."
+    )
+    # metrics
+    report_to: list[str] = _f(
+        ["console"],
+        "Metric sinks besides metrics.jsonl (always): `console`, `wandb`, `tensorboard`.",
+    )
+    wandb_project: str = _f("lmms", "wandb project.")
+    wandb_mode: Literal["offline", "online"] = _f("offline", "wandb mode (offline unless set).")
+    peak_flops: float | None = _f(
+        None, "Peak FLOP/s of one device for MFU (default: from the device table)."
+    )
+    logging_steps: int = _f(
+        1, "Print to the console every this many steps (JSONL gets every step)."
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The whole run: `model_config`, `dataset_config`, `trainer_args`."""
+
+    model_config: ModelConfig = field(
+        default_factory=ModelConfig, metadata={"doc": "What model to train."}
+    )
+    dataset_config: DatasetConfig = field(
+        default_factory=DatasetConfig, metadata={"doc": "Data and packing."}
+    )
+    trainer_args: TrainerArgs = field(
+        default_factory=TrainerArgs, metadata={"doc": "Training, parallelism, logging."}
+    )

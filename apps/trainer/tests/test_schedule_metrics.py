@@ -1,0 +1,67 @@
+"""LR schedules, MFU arithmetic, JSONL resume truncation and the plot command."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from lmms_train._flops import mfu, peak_flops_for
+from lmms_train._metrics import JsonlSink, read_jsonl
+from lmms_train._plot import plot_run
+from lmms_train._schedule import ScheduleConfig, build_scheduler, lr_multiplier
+
+
+def test_schedules_shape():
+    c = ScheduleConfig(kind="cosine", max_steps=10, warmup_steps=2, min_lr_ratio=0.1)
+    vals = [lr_multiplier(s, c) for s in range(10)]
+    assert vals[0] == pytest.approx(0.5) and vals[1] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(vals))
+    assert lr_multiplier(10, c) == pytest.approx(0.1)
+    w = ScheduleConfig(kind="wsd", max_steps=10, wsd_decay_ratio=0.2, min_lr_ratio=0.0)
+    assert [lr_multiplier(s, w) for s in range(10)] == pytest.approx([1] * 8 + [0.5, 0.0])
+    lin = ScheduleConfig(kind="linear", max_steps=4)
+    assert [lr_multiplier(s, lin) for s in range(4)] == pytest.approx([1, 0.75, 0.5, 0.25])
+    assert lr_multiplier(3, ScheduleConfig(kind="constant", max_steps=4)) == 1.0
+
+
+def test_scheduler_state_resumes():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    c = ScheduleConfig(kind="cosine", max_steps=6, warmup_steps=1)
+    s = build_scheduler(opt, c)
+    for _ in range(3):
+        opt.step()
+        s.step()
+    state = s.state_dict()
+    opt2 = torch.optim.SGD([p], lr=1.0)
+    s2 = build_scheduler(opt2, c)
+    s2.load_state_dict(state)
+    assert s2.get_last_lr() == s.get_last_lr()
+
+
+def test_mfu_arithmetic():
+    assert mfu(989e12, 1.0, 1, 989e12) == pytest.approx(1.0)
+    assert mfu(1e12, 2.0, 4, 1e12) == pytest.approx(0.125)
+    assert peak_flops_for(torch.device("cpu"), 5e9) == 5e9
+
+
+def test_jsonl_truncates_on_resume_and_plot(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for s in range(1, 6):
+        sink.log(
+            s, {"loss": 1.0 / s, "mfu": 0.1, "tokens_per_sec": 100.0 * s, "lr": torch.tensor(0.5)}
+        )
+    sink.close()
+    sink = JsonlSink(path, resume_step=3)
+    sink.log(4, {"loss": 9.0})
+    sink.close()
+    recs = read_jsonl(path)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4] and recs[-1]["loss"] == 9.0
+    assert recs[0]["lr"] == 0.5
+    out = plot_run(tmp_path)
+    assert out.is_file() and out.stat().st_size > 1000
+    assert json.loads(path.read_text().splitlines()[0])["step"] == 1
