@@ -1,0 +1,47 @@
+"""lmms-parallel: device mesh, FSDP2, Ulysses sequence parallel, activation checkpointing, DCP.
+
+Model-agnostic: which modules are blocks, which module to slice for SP, and how to build a dummy
+vision input come from the model spec (lmms-models) as data.
+"""
+
+from lmms_parallel._ac import ACHandle, apply_activation_checkpointing
+from lmms_parallel._checkpoint import Checkpointer
+from lmms_parallel._export import export_hf, gather_full_state_dict
+from lmms_parallel._fsdp import apply_fsdp
+from lmms_parallel._mesh import ParallelDims, dp_mesh, fsdp_mesh, sp_group
+from lmms_parallel._meta import load_full_state_dict, materialize, meta_init, read_safetensors
+from lmms_parallel._ulysses import (
+    SequenceParallel,
+    UlyssesAttention,
+    all_to_all_heads_to_seq,
+    all_to_all_seq_to_heads,
+    sp_pad_len,
+    sp_reduce_loss,
+    sp_shard_labels,
+)
+from lmms_parallel._vision import ensure_vision_participation
+
+__all__ = [
+    "ACHandle",
+    "Checkpointer",
+    "ParallelDims",
+    "SequenceParallel",
+    "UlyssesAttention",
+    "all_to_all_heads_to_seq",
+    "all_to_all_seq_to_heads",
+    "apply_activation_checkpointing",
+    "apply_fsdp",
+    "dp_mesh",
+    "ensure_vision_participation",
+    "export_hf",
+    "fsdp_mesh",
+    "gather_full_state_dict",
+    "load_full_state_dict",
+    "materialize",
+    "meta_init",
+    "read_safetensors",
+    "sp_group",
+    "sp_pad_len",
+    "sp_reduce_loss",
+    "sp_shard_labels",
+]

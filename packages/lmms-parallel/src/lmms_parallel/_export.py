@@ -1,0 +1,92 @@
+"""Export a (sharded) model as a consolidated Hugging Face safetensors folder.
+
+All ranks take part in gathering the full state dict (one parameter at a time, offloaded to
+rank 0's CPU); rank 0 writes it. A ``transformers`` model is written with its own
+``save_pretrained(state_dict=...)`` so that key renaming, tied weights, shard index and
+``config.json`` are exactly what ``from_pretrained`` expects; any other module is written as
+plain safetensors shards with an index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+__all__ = ["export_hf", "gather_full_state_dict"]
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU state dict on rank 0, ``{}`` on the other ranks. Collective."""
+    if not dist.is_initialized():
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def export_hf(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str = "5GB",
+) -> Path | None:
+    """Write ``out_dir`` loadable by ``from_pretrained``; returns it on rank 0, ``None`` elsewhere.
+
+    Args:
+        dtype: cast floating-point weights (e.g. ``torch.bfloat16`` for release); default keeps
+            the master dtype.
+    """
+    full = gather_full_state_dict(model)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if save_pretrained is not None:
+        save_pretrained(
+            str(out), state_dict=full, safe_serialization=True, max_shard_size=max_shard_size
+        )
+    else:
+        _write_plain(full, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def _write_plain(state: dict[str, torch.Tensor], out: Path, shard_bytes: int = 5 << 30) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    seen: dict[int, str] = {}
+    for key, value in state.items():
+        if value.data_ptr() in seen and value.numel():  # tied: safetensors refuses shared storage
+            value = value.clone()
+        seen[value.data_ptr()] = key
+        nbytes = value.numel() * value.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value.contiguous()
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    if len(shards) > 1:
+        index = {"metadata": {}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -1,0 +1,97 @@
+"""FSDP2 (``fully_shard``) applied from outside, one unit per block.
+
+Order matters: every block (decoder blocks, vision blocks, embeddings) becomes its own FSDP unit
+so that only one block's full weights are alive at a time; the root unit takes what remains
+(final norm, lm_head, vision merger...). Gradients are **summed** over the data-parallel and
+sequence-parallel ranks (divide factor 1): the trainer normalises the loss by the token count of
+the whole global batch, so the result equals the single-process run whatever the world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+__all__ = ["apply_fsdp"]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    blocks: Sequence[nn.Module],
+    param_dtype: torch.dtype | None = torch.bfloat16,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2: each of ``blocks`` is a unit, then the root.
+
+    Args:
+        model: the (meta or materialised) model; modified in place and returned.
+        mesh: 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP); see ``fsdp_mesh``.
+        blocks: modules to shard separately, e.g. ``spec.vision_blocks(model) +
+            spec.decoder_blocks(model) + spec.embeddings(model)``. A module whose parameter is
+            shared with a module outside it (tied embeddings / lm_head) is left to the root unit,
+            because one parameter cannot belong to two FSDP units.
+        param_dtype: compute dtype of the all-gathered weights (bf16 by default); master weights
+            and optimizer state stay in the dtype the model was built with (fp32). ``None``
+            computes in the storage dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter (fp32 by default).
+        reshard_after_forward: free gathered weights after forward (ZeRO-3, least memory) or
+            keep them until backward (ZeRO-2 like, one all-gather fewer per block).
+        cpu_offload: keep sharded parameters, gradients and optimizer state on CPU (slow, for
+            models that do not fit otherwise).
+
+    Frozen sub-modules (``requires_grad=False``, e.g. the vision tower) are supported: they are
+    sharded and all-gathered like the others but get no gradient reduction.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    kwargs: dict = {"mesh": mesh, "mp_policy": mp}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    shared = _shared_param_ids(model)
+    for block in blocks:
+        own = {id(p) for p in block.parameters()}
+        if own & shared and _shared_outside(model, block):
+            continue
+        if not own:
+            continue
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's parameters (lm_head, final norm) are needed right after forward by the loss:
+    # resharding them would only add an all-gather.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    _sum_gradients(model)
+    return model
+
+
+def _shared_param_ids(model: nn.Module) -> set[int]:
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, n in seen.items() if n > 1}
+
+
+def _shared_outside(model: nn.Module, block: nn.Module) -> bool:
+    own = {id(p) for p in block.parameters()}
+    inside = {id(m) for m in block.modules()}
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if any(id(p) in own for p in module.parameters(recurse=False)):
+            return True
+    return False
+
+
+def _sum_gradients(model: nn.Module) -> None:
+    """Make FSDP2 sum (not average) gradients over its ranks, on every unit."""
+    for module in model.modules():
+        setter = getattr(module, "set_gradient_divide_factor", None)
+        if setter is None:  # torch < 2.8
+            setter = getattr(module, "set_reduce_scatter_divide_factor", None)
+        if setter is not None and hasattr(module, "unshard"):
+            setter(1.0)
