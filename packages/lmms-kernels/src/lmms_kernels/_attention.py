@@ -1,0 +1,334 @@
+"""Variable-length (packed) attention with one signature and several backends.
+
+All backends take packed tensors ``q [T, H, D]``, ``k/v [T, KV, D]`` plus int32 ``cu_seqlens``
+(segment boundaries) and never let a token attend across a segment boundary. ``causal=True``
+masks the future inside each segment (bottom-right aligned when a segment has more keys than
+queries, as flash-attn does); ``causal=False`` is bidirectional (vision towers, diffusion LMs).
+
+Backends, fastest first on an H200 (see docs/kernels.md and benchmarks/RESULTS.md):
+
+- ``"fa4"``: flash-attn 4 (``flash_attn.cute``). Hopper/Blackwell only, bf16/fp16.
+- ``"fa"``: flash-attn 2/3 (``flash_attn`` / ``flash_attn_interface``).
+- ``"torch"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA only; KV heads are repeated when
+  the installed torch has no ``enable_gqa``).
+- ``"flex"``: FlexAttention with a document mask. Compiled on CUDA; the block mask is rebuilt
+  for every new ``cu_seqlens`` (cached for the last few), which costs a host sync.
+- ``"sdpa"``: a loop of ``scaled_dot_product_attention`` over segments. Any device, the CPU
+  default and the reference the others are tested against. One small kernel per segment, so
+  it is slow for many short segments on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import warnings
+from collections.abc import Callable
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BACKENDS", "available_backends", "resolve_backend", "varlen_attention"]
+
+BACKENDS = ("fa4", "fa", "torch", "flex", "sdpa")
+
+_INSTALL_HINT = {
+    "fa4": "install flash-attn 4 (`pip install flash-attn-cute`, module flash_attn.cute) and run on a CUDA GPU",
+    "fa": "install flash-attn 2/3 (`pip install flash-attn`) and run on a CUDA GPU",
+    "torch": "needs torch>=2.9 with torch.nn.attention.varlen and a CUDA GPU",
+    "flex": "needs torch>=2.5 (torch.nn.attention.flex_attention)",
+    "sdpa": "always available",
+}
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def _fa4_fn() -> Callable | None:
+    if not _has_module("flash_attn"):
+        return None
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.cache
+def _fa_fn() -> Callable | None:
+    for mod in ("flash_attn_interface", "flash_attn"):  # FA3 first, then FA2
+        if not _has_module(mod):
+            continue
+        try:
+            fn = getattr(importlib.import_module(mod), "flash_attn_varlen_func", None)
+        except Exception:
+            fn = None
+        if fn is not None:
+            return fn
+    return None
+
+
+@functools.cache
+def _torch_varlen_fn() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _flex_available() -> bool:
+    return _has_module("torch.nn.attention.flex_attention")
+
+
+def available_backends(device: torch.device | str | None = None) -> list[str]:
+    """Backends usable on ``device`` (default: CUDA if present, else CPU), fastest first."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
+    out = []
+    if cuda and _fa4_fn() is not None:
+        out.append("fa4")
+    if cuda and _fa_fn() is not None:
+        out.append("fa")
+    if cuda and _torch_varlen_fn() is not None:
+        out.append("torch")
+    if _flex_available():
+        out.append("flex")
+    out.append("sdpa")
+    return out
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Map ``"auto"`` to the fastest backend for ``device``; check an explicit one is usable.
+
+    Automatic choice: CUDA -> fa4, fa, torch, flex (first available); any other device -> sdpa.
+    """
+    if backend not in (*BACKENDS, "auto"):
+        raise ValueError(
+            f"unknown attention backend {backend!r}; choose one of {('auto', *BACKENDS)}"
+        )
+    avail = available_backends(device)
+    if backend == "auto":
+        if torch.device(device).type != "cuda":
+            return "sdpa"
+        return avail[0]
+    if backend not in avail:
+        raise RuntimeError(
+            f"attention backend {backend!r} is not available on {device}: {_INSTALL_HINT[backend]}. "
+            f"Available here: {avail}"
+        )
+    return backend
+
+
+def varlen_attention(
+    q: torch.Tensor,  # [Tq, H, D]
+    k: torch.Tensor,  # [Tk, KV, D]
+    v: torch.Tensor,  # [Tk, KV, Dv]
+    cu_seqlens_q: torch.Tensor,  # [n+1] int32
+    cu_seqlens_k: torch.Tensor,  # [n+1] int32
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:  # [Tq, H, Dv]
+    """Attention within each ``cu_seqlens`` segment, never across segments.
+
+    ``H % KV == 0`` (grouped-query attention). q, k and v must share a dtype. Returns
+    ``[Tq, H, Dv]`` in q's dtype. ``backend="auto"`` picks by device (see ``resolve_backend``).
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"expected q [T, H, D], k/v [T, KV, D]; got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    if q.shape[1] % k.shape[1] != 0 or k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    name = resolve_backend(backend, q.device)
+    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
+    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
+    fn = _IMPLS[name]
+    return fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:  # [T, KV, D] -> [T, KV*n_rep, D]
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def _sdpa(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    if len(bounds_q) != len(bounds_k):
+        raise ValueError(f"cu_seqlens_q has {len(bounds_q)} entries, cu_seqlens_k {len(bounds_k)}")
+    outs = []
+    for (a, b), (c, d) in zip(pairwise(bounds_q), pairwise(bounds_k), strict=True):
+        lq, lk = b - a, d - c
+        if lq == 0:
+            continue
+        qs = q[a:b].transpose(0, 1)  # [H, lq, D]
+        ks, vs = k[c:d].transpose(0, 1), v[c:d].transpose(0, 1)  # [H, lk, D]
+        mask, is_causal = None, causal
+        if causal and lq != lk:  # bottom-right aligned causal mask (flash-attn convention)
+            iq = torch.arange(lq, device=q.device)[:, None]
+            ik = torch.arange(lk, device=q.device)[None, :]
+            mask, is_causal = ik <= iq + (lk - lq), False
+        if lk == 0:
+            outs.append(q.new_zeros(lq, q.shape[1], v.shape[-1]))
+            continue
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=is_causal, scale=scale
+        )
+        outs.append(o.transpose(0, 1))
+    if bounds_q[-1] != q.shape[0]:  # tokens after the last boundary belong to no segment
+        outs.append(q.new_zeros(q.shape[0] - bounds_q[-1], q.shape[1], v.shape[-1]))
+    if not outs:
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    return torch.cat(outs, dim=0)
+
+
+def _unwrap(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _fa4(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    fn = _fa4_fn()
+    out = fn(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        softmax_scale=scale,
+        causal=causal,
+    )
+    return _unwrap(out)
+
+
+def _fa(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    fn = _fa_fn()
+    out = fn(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal)
+    return _unwrap(out)
+
+
+@functools.cache
+def _torch_varlen_params() -> frozenset[str]:
+    return frozenset(inspect.signature(_torch_varlen_fn()).parameters)
+
+
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    fn, params = _torch_varlen_fn(), _torch_varlen_params()
+    kw = {}
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = q.shape[1] != k.shape[1]
+    else:
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    if "window_size" in params:  # torch >= 2.10
+        kw["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in params:  # torch 2.9
+        kw["is_causal"] = causal
+    elif causal:
+        raise RuntimeError("this torch's varlen_attn supports neither window_size nor is_causal")
+    if scale is not None and "scale" in params:
+        kw["scale"] = scale
+    elif scale is not None:  # no scale argument: fold it into q (default scale is D**-0.5)
+        q = q * (scale * q.shape[-1] ** 0.5)
+    return _unwrap(fn(q, k, v, cu_q, cu_k, max_q, max_k, **kw))
+
+
+# FlexAttention ------------------------------------------------------------------
+
+
+@functools.cache
+def _flex_fn(compiled: bool) -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+def _doc_ids(cu: torch.Tensor, total: int) -> torch.Tensor:  # [total] segment index per token
+    pos = torch.arange(total, device=cu.device, dtype=torch.int32)
+    # tokens past cu[-1] get id n (their own segment)
+    return torch.searchsorted(cu[1:].contiguous(), pos, right=True)
+
+
+_BLOCK_MASK_CACHE: dict[tuple, object] = {}
+
+
+def _flex_block_mask(cu_q, cu_k, tq, tk, causal, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (tuple(cu_q.tolist()), tuple(cu_k.tolist()), tq, tk, causal, str(device))
+    hit = _BLOCK_MASK_CACHE.get(key)
+    if hit is not None:
+        return hit
+    doc_q, doc_k = _doc_ids(cu_q, tq), _doc_ids(cu_k, tk)
+    doc_k = torch.where(
+        doc_k == len(cu_k) - 1, doc_k + 1, doc_k
+    )  # keys past cu_k[-1]: seen by none
+    start_q, start_k = (
+        cu_q.long()[doc_q.clamp(max=len(cu_q) - 1)],
+        cu_k.long()[doc_k.clamp(max=len(cu_k) - 1)],
+    )
+    # length of each segment, to align causal masks bottom-right when lq != lk
+    len_q = torch.diff(cu_q.long(), append=cu_q.new_tensor([tq]).long())
+    len_k = torch.diff(cu_k.long(), append=cu_k.new_tensor([tk]).long())
+    offset = (len_k - len_q)[doc_q.clamp(max=len(cu_q) - 1)]  # [tq]
+
+    def mask_mod(b, h, qi, ki):
+        same = doc_q[qi] == doc_k[ki]
+        if not causal:
+            return same
+        return same & (ki - start_k[ki] <= qi - start_q[qi] + offset[qi])
+
+    bm = create_block_mask(mask_mod, B=None, H=None, Q_LEN=tq, KV_LEN=tk, device=device)
+    if len(_BLOCK_MASK_CACHE) >= 8:
+        _BLOCK_MASK_CACHE.pop(next(iter(_BLOCK_MASK_CACHE)))
+    _BLOCK_MASK_CACHE[key] = bm
+    return bm
+
+
+def _flex(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    tq, tk = q.shape[0], k.shape[0]
+    bm = _flex_block_mask(cu_q, cu_k, tq, tk, causal, q.device)
+    compiled = q.device.type == "cuda"
+    fn = _flex_fn(compiled)
+    qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D]
+    gqa = q.shape[1] != k.shape[1]
+    with warnings.catch_warnings():
+        if not compiled:  # eager flex (CPU) warns that it is unfused: expected for a reference
+            warnings.filterwarnings(
+                "ignore", message=".*flex_attention called without torch.compile.*"
+            )
+        out = fn(qb, kb, vb, block_mask=bm, scale=scale, enable_gqa=gqa)
+    out = out[0].transpose(0, 1)  # [T, H, D]
+    # rows with no visible key (tokens past cu[-1] under a segment with no keys) come out as 0/NaN
+    return torch.nan_to_num(out) if tq != int(cu_q[-1]) else out
+
+
+_IMPLS: dict[str, Callable] = {
+    "fa4": _fa4,
+    "fa": _fa,
+    "torch": _torch_varlen,
+    "flex": _flex,
+    "sdpa": _sdpa,
+}

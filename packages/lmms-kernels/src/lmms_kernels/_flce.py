@@ -1,0 +1,175 @@
+"""Fused linear + cross-entropy: ``sum CE(hidden @ W.T + b, labels)`` without ``[T, V]`` logits.
+
+Two implementations with the same result:
+
+- ``"liger"``: Liger-Kernel's Triton kernel (CUDA, ``pip install lmms-kernels[liger]``).
+- ``"torch"``: chunks of tokens in plain torch, any device. Each chunk materialises
+  ``[chunk, V]`` fp32 logits only, sized by ``memory_budget_bytes``.
+
+Trade-off (the torch path follows Liger): gradients w.r.t. hidden, weight and bias are computed
+*during the forward*, chunk by chunk, and kept until backward (``[T, Hd]`` in hidden's dtype plus
+``[V, Hd]`` fp32 for the weight). The alternative, recomputing the logits in backward, would
+save that memory between forward and backward but costs a second ``T x V x Hd`` matmul (~+50%
+of this op's FLOPs). When no input requires grad, no gradient is computed. The weight gradient
+is accumulated in fp32 over chunks (each chunk's matmul runs in the compute dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+__all__ = ["fused_linear_cross_entropy"]
+
+_DEFAULT_BUDGET = 512 * 2**20  # bytes for one chunk's fp32 logits + probabilities
+
+
+@functools.cache
+def _liger_fn():
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    except Exception:
+        return None
+    return LigerFusedLinearCrossEntropyFunction
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    try:
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+    except (TypeError, RuntimeError):
+        pass
+    return x.dtype
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index: int, chunk: int):
+        # hidden [T, Hd], weight [V, Hd], bias [V] | None, labels [T]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        cdt = _compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h_all, w = hidden.to(cdt), weight.to(cdt)
+            b = bias.to(cdt) if bias is not None else None
+            t = hidden.shape[0]
+            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            g_h = torch.empty_like(hidden) if need_h else None
+            g_w = (
+                torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                if need_w
+                else None
+            )
+            g_b = (
+                torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+                if need_b
+                else None
+            )
+            for s in range(0, t, chunk):
+                h, y = h_all[s : s + chunk], labels[s : s + chunk]
+                logits = h @ w.T  # [c, V] in cdt
+                if b is not None:
+                    logits = logits + b
+                logits = logits.float()
+                valid = y != ignore_index  # [c]
+                y_safe = torch.where(valid, y, torch.zeros_like(y))
+                lse = torch.logsumexp(logits, dim=-1)  # [c]
+                target = logits.gather(1, y_safe[:, None]).squeeze(1)
+                loss += ((lse - target) * valid).sum()
+                if not (need_h or need_w or need_b):
+                    continue
+                # d loss / d logits = softmax - onehot, zero on ignored rows
+                grad = logits.sub_(lse[:, None]).exp_()
+                grad[torch.arange(grad.shape[0], device=grad.device), y_safe] -= 1.0
+                grad *= valid[:, None]
+                if need_b:
+                    g_b += grad.sum(0)
+                grad = grad.to(cdt)
+                if need_h:
+                    g_h[s : s + chunk] = (grad @ w).to(hidden.dtype)
+                if need_w:
+                    g_w += (grad.T @ h).float()
+        ctx.save_for_backward(g_h, g_w, g_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        g_h, g_w, g_b = ctx.saved_tensors
+        dt_h, dt_w, dt_b = ctx.dtypes
+        out_h = (g_h * grad_out).to(dt_h) if g_h is not None else None
+        out_w = (g_w * grad_out).to(dt_w) if g_w is not None else None
+        out_b = (g_b * grad_out).to(dt_b) if g_b is not None else None
+        return out_h, out_w, out_b, None, None, None
+
+
+def _chunk_size(t: int, v: int, budget: int) -> int:
+    per_token = v * 4 * 2  # fp32 logits + one fp32 temporary
+    return max(1, min(t, budget // per_token))
+
+
+def _resolve(backend: str, device: torch.device) -> str:
+    if backend not in ("auto", "liger", "torch"):
+        raise ValueError(
+            f"unknown fused linear CE backend {backend!r}; choose 'auto', 'liger' or 'torch'"
+        )
+    if backend == "auto":
+        return "liger" if device.type == "cuda" and _liger_fn() is not None else "torch"
+    if backend == "liger":
+        if _liger_fn() is None:
+            raise RuntimeError(
+                "backend 'liger' needs liger-kernel: pip install 'lmms-kernels[liger]'"
+            )
+        if device.type != "cuda":
+            raise RuntimeError(f"backend 'liger' runs on CUDA only, got tensors on {device}")
+    return backend
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,  # [T, Hd]
+    weight: torch.Tensor,  # [V, Hd]
+    labels: torch.Tensor,  # [T] int64
+    *,
+    bias: torch.Tensor | None = None,  # [V]
+    ignore_index: int = -100,
+    backend: str = "auto",
+    memory_budget_bytes: int = _DEFAULT_BUDGET,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(sum of token losses [fp32 scalar], number of counted tokens [int64 scalar])``.
+
+    Equals ``F.cross_entropy(hidden @ weight.T + bias, labels, reduction="sum",
+    ignore_index=ignore_index)`` in value and gradients (up to the compute dtype's rounding),
+    never materialising more than one chunk of logits. Under autocast the matmuls run in the
+    autocast dtype. ``backend``: "auto" (Liger on CUDA when installed, else torch), "liger",
+    "torch". Divide by the *global* token count yourself.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"expected hidden [T, Hd], weight [V, Hd]; got {tuple(hidden.shape)}, {tuple(weight.shape)}"
+        )
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels {tuple(labels.shape)} must be [T] with T={hidden.shape[0]}")
+    count = (labels != ignore_index).sum()
+    name = _resolve(backend, hidden.device)
+    if name == "liger":
+        fn = _liger_fn()
+        out = fn.apply(
+            hidden.contiguous(),
+            weight,
+            labels.contiguous(),
+            bias,
+            None,
+            ignore_index,
+            0.0,
+            0.0,
+            "sum",
+        )
+        loss = out[0] if isinstance(out, tuple) else out
+        return loss.float(), count
+    chunk = _chunk_size(hidden.shape[0], weight.shape[0], memory_budget_bytes)
+    loss = _ChunkedLinearCE.apply(hidden, weight, bias, labels, ignore_index, chunk)
+    return loss, count

@@ -1,0 +1,96 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lmms_kernels as lk
+
+
+def _case(t, hd, v, dtype, gen, frac_ignored=0.3, bias=False):
+    h = (torch.randn(t, hd, generator=gen) * 0.5).to(dtype).requires_grad_()
+    w = (torch.randn(v, hd, generator=gen) * 0.2).to(dtype).requires_grad_()
+    b = (torch.randn(v, generator=gen) * 0.1).to(dtype).requires_grad_() if bias else None
+    y = torch.randint(0, v, (t,), generator=gen)
+    y[torch.rand(t, generator=gen) < frac_ignored] = -100
+    return h, w, b, y
+
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_matches_naive(dtype):
+    gen = torch.Generator().manual_seed(0)
+    # odd shapes; budgets small enough to force 1-token, odd and single chunks
+    for t, hd, v, budget, bias in [
+        (37, 24, 101, 101 * 8 * 5, False),
+        (16, 8, 33, 1, True),
+        (9, 32, 257, 1 << 30, True),
+    ]:
+        h, w, b, y = _case(t, hd, v, dtype, gen, bias=bias)
+        loss, n = lk.fused_linear_cross_entropy(
+            h, w, y, bias=b, backend="torch", memory_budget_bytes=budget
+        )
+        assert loss.dtype == torch.float32 and loss.dim() == 0
+        assert n.dtype == torch.int64 and int(n) == int((y != -100).sum())
+        logits = h.float() @ w.float().T + (b.float() if b is not None else 0)
+        ref = F.cross_entropy(logits, y, reduction="sum", ignore_index=-100)
+        torch.testing.assert_close(loss, ref, **TOL[dtype])
+        params = [x for x in (h, w, b) if x is not None]
+        g = torch.autograd.grad(loss * 0.7, params)
+        g_ref = torch.autograd.grad(ref * 0.7, params)
+        for a, r in zip(g, g_ref, strict=True):
+            assert a.dtype == dtype
+            torch.testing.assert_close(a.float(), r.float(), **TOL[dtype])
+
+
+def test_all_ignored_frozen_weight_and_no_grad():
+    gen = torch.Generator().manual_seed(1)
+    h, w, _, y = _case(5, 8, 11, torch.float32, gen, frac_ignored=1.1)
+    loss, n = lk.fused_linear_cross_entropy(h, w, y, backend="torch")
+    assert float(loss.detach()) == 0.0 and int(n) == 0
+    (gh,) = torch.autograd.grad(loss, (h,))
+    assert torch.count_nonzero(gh) == 0
+    h2, w2, _, y2 = _case(6, 8, 11, torch.float32, gen, frac_ignored=0.0)
+    w2.requires_grad_(False)
+    loss, _ = lk.fused_linear_cross_entropy(h2, w2, y2, backend="torch")
+    loss.backward()
+    assert w2.grad is None and h2.grad is not None
+    with torch.no_grad():
+        l2, _ = lk.fused_linear_cross_entropy(h2, w2, y2, backend="torch")
+    torch.testing.assert_close(l2, loss.detach())
+
+
+def test_autocast_mixed_dtypes():
+    # bf16 activations from autocast against an fp32 master weight
+    gen = torch.Generator().manual_seed(2)
+    h, w, _, y = _case(12, 16, 29, torch.float32, gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = lk.fused_linear_cross_entropy(h.bfloat16(), w, y)
+    ref = F.cross_entropy((h.bfloat16() @ w.bfloat16().T).float(), y, reduction="sum")
+    torch.testing.assert_close(loss, ref, atol=1e-3, rtol=1e-3)
+    loss.backward()
+    assert w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32
+
+
+def test_errors():
+    h, w, y = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="unknown"):
+        lk.fused_linear_cross_entropy(h, w, y, backend="x")
+    with pytest.raises(RuntimeError, match="liger"):
+        lk.fused_linear_cross_entropy(h, w, y, backend="liger")
+    with pytest.raises(ValueError, match="labels"):
+        lk.fused_linear_cross_entropy(h, w, y[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_liger_matches_chunked_torch(dtype):
+    gen = torch.Generator().manual_seed(3)
+    h, w, _, y = _case(300, 64, 1000, dtype, gen)
+    h, w, y = h.detach().cuda().requires_grad_(), w.detach().cuda().requires_grad_(), y.cuda()
+    out = {}
+    for backend in ("liger", "torch"):
+        loss, n = lk.fused_linear_cross_entropy(h, w, y, backend=backend)
+        out[backend] = (loss, n, *torch.autograd.grad(loss, (h, w)))
+    for a, b in zip(out["liger"], out["torch"], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
