@@ -1,0 +1,29 @@
+"""lmms-models: model specs for packed multimodal training on upstream transformers models.
+
+A spec builds the upstream model (from a config dict, a local pretrained folder, or on the meta
+device), runs the packed ("rmpad") forward with lmms varlen attention and a fused linear
+cross-entropy, and tells lmms-parallel which blocks to shard and which module to slice for
+sequence parallel. Adding a family is one folder under ``families/`` (docs/adding-a-model.md).
+"""
+
+from ._attention import UPSTREAM_BACKENDS, set_attention, text_attention_kwargs
+from ._flops import attention_flops
+from ._registry import MODEL_REGISTRY, get_model_spec, list_models, register_model
+from ._spec import IGNORE_INDEX, ModelSpec, shift_labels_packed
+from ._vl import TINY_TOKEN_IDS, QwenVLSpec
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MODEL_REGISTRY",
+    "TINY_TOKEN_IDS",
+    "UPSTREAM_BACKENDS",
+    "ModelSpec",
+    "QwenVLSpec",
+    "attention_flops",
+    "get_model_spec",
+    "list_models",
+    "register_model",
+    "set_attention",
+    "shift_labels_packed",
+    "text_attention_kwargs",
+]

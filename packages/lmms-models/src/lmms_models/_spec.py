@@ -1,0 +1,291 @@
+"""ModelSpec: everything the engine needs to know about one model family, on top of the upstream
+transformers implementation (which stays untouched: no copied forwards).
+
+A family subclasses :class:`ModelSpec`, sets a few class attributes (the transformers classes, the
+processor family, the number of position rows) and provides a tiny config; the shared logic here
+builds the model, runs the packed forward and answers the questions of lmms-parallel and the
+trainer (which blocks to shard, which module to slice for sequence parallel, FLOPs).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _flops
+from ._attention import set_attention, text_attention_kwargs
+
+__all__ = ["IGNORE_INDEX", "ModelSpec", "shift_labels_packed"]
+
+IGNORE_INDEX = -100
+
+
+def shift_labels_packed(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``labels [T]`` shifted left within each segment; each segment's last position is ignored."""
+    out = torch.full_like(labels, IGNORE_INDEX)  # [T]
+    out[:-1] = labels[1:]
+    ends = cu_seqlens[1:].to(labels.device).long() - 1
+    out[ends[ends >= 0]] = IGNORE_INDEX
+    return out
+
+
+class ModelSpec:
+    """Base class of the model families; instances live in :data:`lmms_models.MODEL_REGISTRY`.
+
+    Class attributes a family sets:
+
+    * ``config_class`` / ``model_class``: names in ``transformers`` (imported lazily).
+    * ``processor_family``: key into lmms_data's processor registry.
+    * ``position_rows``: 1 for text LMs (``position_ids [1, T]``), 4 for Qwen-VL
+      (``[4, 1, T]``: per-sample text positions, then the 3 mRoPE rows).
+    * ``media_keys``: batch entries passed to the model call (with a leading batch dim only for
+      ``mm_token_type_ids``).
+    * ``presets``: real-size configs (dicts) by name, e.g. ``"3b"``; random weights for benchmarks.
+    """
+
+    name: str = ""
+    processor_family: str = ""
+    config_class: str = ""
+    model_class: str = ""
+    position_rows: int = 1
+    media_keys: tuple[str, ...] = ()
+    presets: dict[str, dict[str, Any]] = {}  # noqa: RUF012 (read-only class table)
+
+    # ---------------------------------------------------------------- configs
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        """A small HF config dict for tests (vocab 1024, special token ids inside it)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no tiny_config")
+
+    def preset(self, name: str) -> dict[str, Any]:
+        """A copy of the real-size config dict ``name`` (see ``presets``)."""
+        if name not in self.presets:
+            raise KeyError(
+                f"{self.name} has no preset {name!r}; presets: {', '.join(self.presets) or 'none'}"
+            )
+        return copy.deepcopy(self.presets[name])
+
+    def make_config(self, config: dict[str, Any]) -> Any:
+        """A transformers config object from a plain dict (``model_type`` may be present)."""
+        import transformers
+
+        cfg = dict(config)
+        model_type = cfg.pop("model_type", None)
+        cls = getattr(transformers, self.config_class)
+        if model_type is not None and model_type != cls.model_type:
+            raise ValueError(
+                f"config says model_type={model_type!r} but spec {self.name!r} builds {cls.model_type!r}"
+            )
+        return cls(**cfg)
+
+    @staticmethod
+    def text_config(config: Any) -> Any:
+        """The language model's config (the config itself for text-only families)."""
+        return getattr(config, "text_config", None) or config
+
+    # ---------------------------------------------------------------- building
+    def build(
+        self,
+        *,
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attn_backend: str = "auto",
+    ) -> nn.Module:
+        """Build the upstream model from a config dict, a local pretrained folder, or on meta.
+
+        * ``config``: random init from the dict (``tiny_config()`` or a preset).
+        * ``pretrained``: a local folder through the real ``from_pretrained`` (no hub access is
+          attempted). With ``device="meta"`` only its config is read (weights are loaded later,
+          e.g. broadcast from rank 0 by lmms-parallel).
+        * ``attn_backend``: ``"eager"``/``"sdpa"`` keep upstream attention (reference runs); any
+          other value registers lmms varlen attention (see :func:`set_attention`).
+        """
+        import transformers
+
+        if (config is None) == (pretrained is None):
+            raise ValueError("give exactly one of config= or pretrained=")
+        model_cls = getattr(transformers, self.model_class)
+        device = torch.device(device)
+        if pretrained is not None and device.type != "meta":
+            model = model_cls.from_pretrained(
+                pretrained, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+            )
+            model = model.to(device)
+        else:
+            if pretrained is not None:
+                hf_config = transformers.AutoConfig.from_pretrained(
+                    pretrained, local_files_only=True
+                )
+            else:
+                hf_config = self.make_config(config)  # type: ignore[arg-type]
+            hf_config._attn_implementation = "sdpa"
+            for sub in ("text_config", "vision_config"):
+                if getattr(hf_config, sub, None) is not None:
+                    getattr(hf_config, sub)._attn_implementation = "sdpa"
+            with torch.device(device):
+                model = model_cls(hf_config)
+            model = model.to(dtype)
+        self.set_attention(model, backend=attn_backend)
+        return model
+
+    def set_attention(
+        self,
+        model: nn.Module,
+        *,
+        backend: str = "auto",
+        wrapper: Callable[..., torch.Tensor] | None = None,
+    ) -> dict[str, str]:
+        """Switch the attention of both towers (see :func:`lmms_models.set_attention`)."""
+        return set_attention(model, self.vision_tower(model), backend=backend, wrapper=wrapper)
+
+    # ---------------------------------------------------------------- packed forward
+    def packed_forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """Forward one packed row; return ``(loss_sum fp32 scalar, n_loss_tokens int64 scalar)``.
+
+        The upstream base model runs on ``input_ids [1, T]`` with ``attention_mask=None``,
+        ``use_cache=False``, the pack's position ids and media tensors; the pack's ``cu_seqlens``
+        reach the text decoder's attention as transformers' flash keyword arguments. The loss is
+        ``lmms_kernels.fused_linear_cross_entropy`` on the last hidden state and the LM head weight,
+        so ``[T, vocab]`` logits never exist. Divide by the global token count outside.
+        """
+        from lmms_kernels import fused_linear_cross_entropy
+
+        head = self.lm_head(model)
+        dev = head.weight.device
+        input_ids = batch["input_ids"].to(dev, non_blocking=True).reshape(1, -1)  # [1, T]
+        n_tokens = input_ids.shape[1]
+        cu = batch["cu_seqlens"].to(dev, torch.int32, non_blocking=True)  # [n+1]
+        max_len = int(batch["max_seqlen"])
+        if "shift_labels" in batch:
+            shift = batch["shift_labels"].to(dev, non_blocking=True).reshape(-1)  # [T]
+        else:
+            shift = shift_labels_packed(batch["labels"].to(dev).reshape(-1), cu)
+        inputs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "position_ids": self.pack_position_ids(batch, n_tokens, dev),
+            "attention_mask": None,
+            "use_cache": False,
+        }
+        inputs.update(self.media_inputs(batch, dev))
+        flash_kwargs = {
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": max_len,
+            "max_length_k": max_len,
+        }
+        with text_attention_kwargs(self.sp_slice_module(model), **flash_kwargs):
+            out = self.base_model(model)(**inputs)
+        hidden = out.last_hidden_state.reshape(n_tokens, -1)  # [T, H]
+        if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
+            hidden = hidden.to(torch.get_autocast_dtype("cuda"))  # upstream norms return fp32
+        return fused_linear_cross_entropy(hidden, head.weight, shift, bias=head.bias)
+
+    def pack_position_ids(
+        self, batch: dict[str, Any], n_tokens: int, device: torch.device
+    ) -> torch.Tensor:
+        """The pack's positions as the upstream model wants them: ``[1, T]`` or ``[R, 1, T]``."""
+        pos = batch.get("position_ids")
+        if pos is None:
+            if self.position_rows != 1:
+                raise ValueError(f"{self.name} needs position_ids [{self.position_rows}, T]")
+            cu = batch["cu_seqlens"].long()
+            lens = (cu[1:] - cu[:-1]).tolist()
+            pos = torch.cat([torch.arange(n) for n in lens])
+        pos = pos.to(device, non_blocking=True)
+        if self.position_rows == 1:
+            return pos.reshape(1, n_tokens)
+        if pos.ndim == 3:
+            pos = pos.reshape(pos.shape[0], n_tokens)
+        if pos.ndim != 2 or pos.shape[0] != self.position_rows:
+            raise ValueError(
+                f"{self.name} needs position_ids [{self.position_rows}, T], got {tuple(pos.shape)}"
+            )
+        return pos.unsqueeze(1)  # [R, 1, T]
+
+    def media_inputs(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        """Media entries of the batch for the model call (only those present)."""
+        out: dict[str, Any] = {}
+        for key in self.media_keys:
+            value = batch.get(key)
+            if value is None:
+                continue
+            value = value.to(device, non_blocking=True)
+            out[key] = value.reshape(1, -1) if key == "mm_token_type_ids" else value
+        return out
+
+    def sample_position_ids(
+        self, model: nn.Module, input_ids: torch.Tensor, **media: Any
+    ) -> torch.Tensor:
+        """One sample's position ids ``[R, L]`` (tests and benchmarks; at run time lmms-data makes
+        them). Text LMs: ``arange(L)``."""
+        return torch.arange(input_ids.shape[-1], device=input_ids.device)[None]
+
+    # ---------------------------------------------------------------- hooks for lmms-parallel
+    def base_model(self, model: nn.Module) -> nn.Module:
+        """The upstream base model (``model.model``) whose forward returns hidden states."""
+        return model.model
+
+    def text_model(self, model: nn.Module) -> nn.Module:
+        """The text decoder (embeddings, layers, final norm)."""
+        base = self.base_model(model)
+        return getattr(base, "language_model", base)
+
+    def decoder_blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(self.text_model(model).layers)
+
+    def vision_tower(self, model: nn.Module) -> nn.Module | None:
+        return getattr(self.base_model(model), "visual", None)
+
+    def vision_blocks(self, model: nn.Module) -> list[nn.Module]:
+        tower = self.vision_tower(model)
+        return [] if tower is None else list(tower.blocks)
+
+    def block_classes(self, model: nn.Module) -> list[type[nn.Module]]:
+        """Distinct classes of decoder and vision blocks (for FSDP wrapping / checkpointing)."""
+        classes: list[type[nn.Module]] = []
+        for block in self.decoder_blocks(model) + self.vision_blocks(model):
+            if type(block) not in classes:
+                classes.append(type(block))
+        return classes
+
+    def embeddings(self, model: nn.Module) -> list[nn.Module]:
+        return [self.text_model(model).embed_tokens]
+
+    def lm_head(self, model: nn.Module) -> nn.Module:
+        return model.lm_head
+
+    def sp_slice_module(self, model: nn.Module) -> nn.Module:
+        """The module whose ``inputs_embeds``/``position_ids`` are sliced for Ulysses SP: the text
+        decoder, called after the multimodal merge."""
+        return self.text_model(model)
+
+    # ---------------------------------------------------------------- FLOPs
+    def lm_matmul_params(self, config: Any) -> int:
+        """Parameters in a matmul per token (see :mod:`lmms_models._flops`)."""
+        return _flops.dense_lm_matmul_params(self.text_config(config))
+
+    def lm_flops(self, config: Any, seq_lens: Sequence[int], *, causal_half: bool = False) -> float:
+        """Training FLOPs of the language model on segments ``seq_lens``: ``6·N·Σs + attention``."""
+        cfg = self.text_config(config)
+        n_layers = _flops._get(cfg, "num_hidden_layers")
+        width = _flops._get(cfg, "num_attention_heads") * _flops.head_dim(cfg)
+        dense = 6.0 * self.lm_matmul_params(config) * sum(seq_lens)
+        return dense + _flops.attention_flops(n_layers, width, seq_lens, causal_half=causal_half)
+
+    def lm_flops_per_token(
+        self, config: Any, seq_lens: Sequence[int], *, causal_half: bool = False
+    ) -> float:
+        """:meth:`lm_flops` divided by the number of tokens."""
+        return self.lm_flops(config, seq_lens, causal_half=causal_half) / max(1, sum(seq_lens))
+
+    def vision_flops(self, config: Any, grid_thw: Any) -> float:
+        """Training FLOPs of the vision tower for images/videos of ``grid_thw [n, 3]``."""
+        return 0.0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

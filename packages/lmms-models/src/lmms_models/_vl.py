@@ -1,0 +1,72 @@
+"""Shared logic of the Qwen-VL families (Qwen2-VL lineage): mRoPE positions, media inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._spec import ModelSpec
+
+__all__ = ["TINY_TOKEN_IDS", "QwenVLSpec"]
+
+#: Special token ids of the tiny presets (inside the tiny vocab of 1024). Override them with
+#: ``tiny_config(image_token_id=..., ...)`` to match a locally trained tokenizer.
+TINY_TOKEN_IDS = {
+    "image_token_id": 1000,
+    "video_token_id": 1001,
+    "vision_start_token_id": 1002,
+    "vision_end_token_id": 1003,
+}
+
+
+def merge_tiny(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides``; ``text_config``/``vision_config`` dicts are merged key by key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if key in ("text_config", "vision_config") and isinstance(value, dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+class QwenVLSpec(ModelSpec):
+    """Qwen-VL: ``position_ids [4, 1, T]`` (per-sample text positions, then the 3 mRoPE rows)."""
+
+    position_rows = 4
+    media_keys = (
+        "pixel_values",
+        "image_grid_thw",
+        "pixel_values_videos",
+        "video_grid_thw",
+        "mm_token_type_ids",
+    )
+
+    @staticmethod
+    def mm_token_type_ids(config: Any, input_ids: torch.Tensor) -> torch.Tensor:
+        """0 text, 1 image, 2 video, per token (what the upstream processors return)."""
+        out = torch.zeros_like(input_ids, dtype=torch.int32)
+        out[input_ids == config.image_token_id] = 1
+        out[input_ids == config.video_token_id] = 2
+        return out
+
+    def sample_position_ids(
+        self, model: nn.Module, input_ids: torch.Tensor, **media: Any
+    ) -> torch.Tensor:
+        """``[4, L]`` for one sample ``input_ids [L]`` through the upstream ``get_rope_index``.
+
+        ``media``: ``image_grid_thw``, ``video_grid_thw`` (and ``second_per_grid_ts`` for
+        Qwen2.5-VL video), as for the upstream model call.
+        """
+        ids = input_ids.reshape(1, -1)  # [1, L]
+        kwargs = {k: v for k, v in media.items() if v is not None}
+        if "image_grid_thw" not in kwargs and "video_grid_thw" not in kwargs:
+            rows = torch.arange(ids.shape[1], device=ids.device).expand(3, -1)
+        else:
+            mm = self.mm_token_type_ids(model.config, ids)
+            pos, _ = self.base_model(model).get_rope_index(ids, mm_token_type_ids=mm, **kwargs)
+            rows = pos[:, 0]  # [3, L]
+        text = torch.arange(ids.shape[1], device=ids.device)[None]
+        return torch.cat([text, rows.to(text.dtype)], 0)  # [4, L]

@@ -1,0 +1,139 @@
+"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``): Qwen2.5 decoder with 3-D mRoPE, and a
+SwiGLU/RMSNorm ViT that uses windowed attention (112 px windows) in all but a few full-attention
+layers, then merges 2×2 patches into one LM token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _flops
+from ..._registry import register_model
+from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny
+
+__all__ = ["QWEN2_5_VL_3B", "Qwen2_5_VLSpec"]
+
+# Published Qwen2.5-VL-3B-Instruct config values (random weights are used for benchmarks).
+QWEN2_5_VL_3B: dict[str, Any] = {
+    "text_config": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 128000,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [16, 24, 24],
+        },
+        "tie_word_embeddings": True,
+        "use_cache": False,
+    },
+    "vision_config": {
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "out_hidden_size": 2048,
+        "hidden_act": "silu",
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "tokens_per_second": 2,
+        "in_channels": 3,
+    },
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "tie_word_embeddings": True,
+}
+
+_TINY: dict[str, Any] = {
+    "text_config": {
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [4, 2, 2],
+        },
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "bos_token_id": 1004,
+        "eos_token_id": 1005,
+    },
+    "vision_config": {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 4,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 16,  # 2x2 merged tokens per window: real windowing at tiny sizes
+        "fullatt_block_indexes": [1],
+        "in_channels": 3,
+    },
+    **TINY_TOKEN_IDS,
+    "tie_word_embeddings": False,
+}
+
+
+@register_model("qwen2_5_vl")
+class Qwen2_5_VLSpec(QwenVLSpec):
+    processor_family = "qwen2_5_vl"
+    config_class = "Qwen2_5_VLConfig"
+    model_class = "Qwen2_5_VLForConditionalGeneration"
+    presets = {"3b": QWEN2_5_VL_3B}  # noqa: RUF012
+
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        return merge_tiny(_TINY, overrides)
+
+    def vision_matmul_params(self, config: Any) -> dict[str, int]:
+        """Per-patch and per-merged-token matmul parameters of the ViT (hand count)."""
+        v = _flops._get(config, "vision_config", config)
+        g = lambda k: _flops._get(v, k)  # noqa: E731
+        hv, iv = g("hidden_size"), g("intermediate_size")
+        patch_in = g("in_channels") * g("temporal_patch_size") * g("patch_size") ** 2
+        block = (3 * hv * hv + 3 * hv) + (hv * hv + hv) + (3 * hv * iv + 2 * iv + hv) + 2 * hv
+        merged = hv * g("spatial_merge_size") ** 2
+        merger = merged * merged + merged + merged * g("out_hidden_size") + g("out_hidden_size")
+        return {"per_patch": patch_in * hv + g("depth") * block + hv, "per_merged": merger}
+
+    def vision_flops(self, config: Any, grid_thw: Any) -> float:
+        """``6·N`` per patch (blocks, patch embed) and per merged token (merger), plus attention:
+        full layers over each frame's ``h·w`` patches, window layers over the windows that
+        upstream's ``get_vision_window_index`` cuts (``window_size`` px, edge windows partial)."""
+        v = _flops._get(config, "vision_config", config)
+        g = lambda k: _flops._get(v, k)  # noqa: E731
+        merge = g("spatial_merge_size")
+        win = g("window_size") // merge // g("patch_size")  # window side in merged tokens
+        n_full = len(g("fullatt_block_indexes"))
+        n_win = g("depth") - n_full
+        params = self.vision_matmul_params(config)
+        total = 0.0
+        for t, h, w in torch.as_tensor(grid_thw).reshape(-1, 3).tolist():
+            patches = t * h * w
+            total += 6.0 * (
+                params["per_patch"] * patches + params["per_merged"] * patches / merge**2
+            )
+            a2 = sum(x * x for x in _flops.window_lengths(h // merge, win))
+            b2 = sum(x * x for x in _flops.window_lengths(w // merge, win))
+            sq_full = t * float(h * w) ** 2
+            sq_win = t * float(a2 * b2) * merge**4
+            total += 12.0 * g("hidden_size") * (n_full * sq_full + n_win * sq_win)
+        return total

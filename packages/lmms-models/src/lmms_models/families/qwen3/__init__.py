@@ -1,0 +1,28 @@
+"""Qwen3 dense decoder (``Qwen3ForCausalLM``): no q/k/v biases, per-head q/k RMSNorm, explicit
+``head_dim``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ... import _flops
+from ..._registry import register_model
+from ..._spec import ModelSpec
+from ..qwen2 import tiny_text
+
+__all__ = ["Qwen3Spec"]
+
+
+@register_model("qwen3")
+class Qwen3Spec(ModelSpec):
+    processor_family = "qwen3"
+    config_class = "Qwen3Config"
+    model_class = "Qwen3ForCausalLM"
+
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        return tiny_text(head_dim=32, attention_bias=False, **overrides)
+
+    def lm_matmul_params(self, config: Any) -> int:
+        cfg = self.text_config(config)
+        bias = bool(_flops._get(cfg, "attention_bias", False))
+        return _flops.dense_lm_matmul_params(cfg, qk_norm=True, attention_bias=bias)

@@ -1,0 +1,107 @@
+"""Packed forward == Σ over samples of the upstream model's own unpacked forward (loss and grads).
+
+Each pack mixes text-only samples, a length-1 segment, several images, video, and tail padding.
+The reference runs every sample alone through ``model(input_ids=..., labels=..., pixel_values=...)``
+with upstream attention; the packed forward uses lmms varlen attention (SDPA-per-segment backend).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmms_models import get_model_spec
+from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
+
+TEXT_FAMILIES = ["qwen2", "qwen2_5", "qwen3", "qwen3_moe"]
+VL_FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+
+
+def _samples(spec):
+    ss = [SampleSpec(text=12), SampleSpec(text=1, prompt=0), SampleSpec(text=7, prompt=3)]
+    if spec.position_rows > 1:
+        ss += [
+            SampleSpec(text=6, images=[(1, 4, 4), (1, 2, 6)]),
+            SampleSpec(text=5, videos=[(2, 4, 4)]),
+            SampleSpec(text=3, images=[(1, 6, 4)], videos=[(3, 2, 2)]),
+        ]
+    return ss
+
+
+def _grads(model):
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _check(name: str, reference_attn: str):
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), attn_backend=reference_attn)
+    gen = torch.Generator().manual_seed(1)
+    samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)]
+    ref, n_ref = reference_loss_sum(spec, model, samples)
+    ref.backward()
+    g_ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    total = sum(s["input_ids"].numel() for s in samples)
+    batch = pack_samples(spec, model, samples, pad_to=total + 3)
+    names = spec.set_attention(model, backend="varlen_sdpa")
+    assert "flash" in names["vision"]  # Qwen-VL towers pass cu_seqlens only to "flash" names
+    loss, count = spec.packed_forward(model, batch)
+    loss.backward()
+    g_packed = _grads(model)
+
+    assert int(count) == n_ref == batch["num_loss_tokens"]
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    assert g_packed.keys() == g_ref.keys()
+    if spec.position_rows > 1:
+        assert any(".visual." in k or k.startswith("model.visual") for k in g_packed)
+    for k in g_ref:
+        torch.testing.assert_close(g_packed[k], g_ref[k], rtol=1e-4, atol=1e-6, msg=k)
+    return spec, model, batch, loss.detach()
+
+
+@pytest.mark.parametrize("name", TEXT_FAMILIES + VL_FAMILIES)
+def test_packed_matches_unpacked_upstream(name):
+    spec, model, batch, loss = _check(name, "sdpa")
+    # The check can fail: one segment for the whole row (cross-sample attention) changes the loss.
+    bad = dict(batch)
+    n = batch["input_ids"].numel()
+    bad["cu_seqlens"] = torch.tensor([0, n], dtype=torch.int32)
+    bad["max_seqlen"] = n
+    with torch.no_grad():
+        wrong, _ = spec.packed_forward(model, bad)
+    assert not torch.allclose(wrong, loss, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen2_5_vl"])
+def test_packed_matches_unpacked_eager(name):
+    _check(name, "eager")
+
+
+def test_text_kwargs_do_not_reach_vision_tower():
+    """The pack's cu_seqlens must reach the text attention only; the vision tower keeps its own."""
+    from transformers import AttentionInterface
+
+    spec = get_model_spec("qwen2_5_vl")
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
+    gen = torch.Generator().manual_seed(0)
+    samples = [make_sample(spec, model.config, SampleSpec(text=4, images=[(1, 4, 4)]), gen=gen)] * 2
+    batch = pack_samples(spec, model, samples)
+    seen: dict[str, list[int]] = {"text": [], "vision": []}
+    names = spec.set_attention(model, backend="varlen_sdpa")
+    for tower in ("text", "vision"):
+        inner = AttentionInterface._global_mapping[names[tower]]
+
+        def spy(module, q, k, v, *a, _inner=inner, _tower=tower, **kw):
+            seen[_tower].append(int(kw["cu_seq_lens_q"][-1]))
+            return _inner(module, q, k, v, *a, **kw)
+
+        AttentionInterface.register(names[tower], spy)
+    try:
+        with torch.no_grad():
+            spec.packed_forward(model, batch)
+    finally:
+        spec.set_attention(model, backend="varlen_sdpa")  # re-registers the plain functions
+    assert seen["text"] == [batch["input_ids"].numel()] * 2  # 2 decoder layers, whole pack
+    assert seen["vision"] == [32] * 3  # 3 blocks, 2 images of 16 patches
