@@ -36,3 +36,76 @@ def dense_reference(
         scale=scale,
     )
     return out.transpose(0, 1).to(q.dtype)
+
+
+_TEXT = dict(
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+)
+TINY_CONFIGS = {
+    "qwen2": dict(_TEXT),
+    "qwen3": dict(_TEXT),
+    "qwen3_moe": dict(
+        _TEXT,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+    ),
+    "qwen2_5_vl": dict(
+        text_config=dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=32,
+            window_size=28,
+            fullatt_block_indexes=[1],
+        ),
+    ),
+    "qwen3_vl": dict(
+        text_config=dict(
+            _TEXT,
+            rope_scaling={
+                "rope_type": "default",
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=32,
+            deepstack_visual_indexes=[0],
+            num_position_embeddings=16,
+        ),
+    ),
+}
+
+
+def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
+    """A randomly initialised tiny model of ``family`` (a transformers model type)."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(family, **TINY_CONFIGS[family])
+    cfg.use_cache = False
+    cls = AutoModelForImageTextToText if family.endswith("_vl") else AutoModelForCausalLM
+    return cls.from_config(cfg, dtype=dtype)
+
+
+def text_forward(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a plain text batch (also for VL models: no images)."""
+    return model(input_ids=ids).logits

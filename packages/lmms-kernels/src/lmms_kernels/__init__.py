@@ -3,9 +3,13 @@
 from ._attention import BACKENDS, available_backends, resolve_backend, varlen_attention
 from ._flce import fused_linear_cross_entropy
 from ._hf import register_varlen_attention
+from ._liger import LIGER_FAMILIES, PatchHandle, apply_liger
 
 __all__ = [
     "BACKENDS",
+    "LIGER_FAMILIES",
+    "PatchHandle",
+    "apply_liger",
     "available_backends",
     "fused_linear_cross_entropy",
     "register_varlen_attention",

@@ -1,0 +1,191 @@
+"""Instance-scoped, reversible Liger-Kernel patching for the supported model families.
+
+``apply_liger(model, family)`` swaps the ``forward`` of this model's RMSNorm and SwiGLU MLP
+*instances* (an instance attribute shadowing the class method) for ones that call Liger's
+Triton ops. Nothing global changes: other models of the same class are untouched, and
+``handle.remove()`` deletes the instance attributes again, so the modules are the very same
+objects with the very same ``__dict__`` and produce bit-identical outputs.
+
+What is patched per family (transformers model types):
+
+====================  ==========================================  ==============================
+family                RMSNorm                                     SwiGLU MLP
+====================  ==========================================  ==============================
+qwen2 (Qwen2, 2.5)    Qwen2RMSNorm                                Qwen2MLP
+qwen3                 Qwen3RMSNorm (incl. q_norm/k_norm)          Qwen3MLP
+qwen3_moe             Qwen3MoeRMSNorm (incl. q_norm/k_norm)       Qwen3MoeMLP (dense layers only)
+qwen2_5_vl            Qwen2_5_VLRMSNorm (text and vision)         Qwen2MLP (text), Qwen2_5_VLMLP (vision)
+qwen3_vl              Qwen3VLTextRMSNorm                          Qwen3VLTextMLP
+====================  ==========================================  ==============================
+
+Not patched, on purpose: MoE experts (grouped ``Qwen3MoeExperts`` weights, not a SwiGLU module);
+Qwen3-VL's vision tower (LayerNorm + GELU MLP, no Liger equivalent used here); RoPE/mRoPE:
+upstream applies rotary embeddings through a module-level function (``apply_rotary_pos_emb``)
+called inside the attention forward, so an instance-scoped swap would need either replacing
+that module global (which would change every model of the family in the process) or a copy of
+the attention forward (which the design forbids). RoPE is a small share of step time; see
+docs/kernels.md.
+
+Each family lists the classes it expects; if a model contains none of an expected kind (an
+upstream rename), or an MLP whose activation is not SiLU, ``apply_liger`` raises instead of
+silently patching less. Liger's ops need CUDA tensors: a patched module called with tensors on
+another device runs its upstream forward (so a CPU quickstart with ``use_liger_kernel`` works).
+Patching is independent of packing (``use_rmpad``): RMSNorm and SwiGLU act per token.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["LIGER_FAMILIES", "PatchHandle", "apply_liger"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class _FamilySpec:
+    rms_norm: tuple[str, ...]  # class names of RMSNorm modules to patch
+    mlp: tuple[str, ...]  # class names of gate/up/down SwiGLU MLPs to patch
+
+
+LIGER_FAMILIES: dict[str, _FamilySpec] = {
+    "qwen2": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),
+    "qwen3": _FamilySpec(rms_norm=("Qwen3RMSNorm",), mlp=("Qwen3MLP",)),
+    "qwen3_moe": _FamilySpec(rms_norm=("Qwen3MoeRMSNorm",), mlp=("Qwen3MoeMLP",)),
+    "qwen2_5_vl": _FamilySpec(rms_norm=("Qwen2_5_VLRMSNorm",), mlp=("Qwen2MLP", "Qwen2_5_VLMLP")),
+    "qwen3_vl": _FamilySpec(rms_norm=("Qwen3VLTextRMSNorm",), mlp=("Qwen3VLTextMLP",)),
+}
+# families whose MLP may legitimately be absent (all layers sparse)
+_MLP_OPTIONAL = frozenset({"qwen3_moe"})
+_SILU_NAMES = frozenset({"SiLU", "SiLUActivation"})
+_MARK = "_lmms_liger_patched"
+
+
+@dataclass(kw_only=True, slots=True)
+class PatchHandle:
+    """Undo record of one ``apply_liger`` call. ``remove()`` restores every module exactly."""
+
+    family: str
+    patched: dict[str, list[str]] = field(default_factory=dict)  # kind -> module names
+    _records: list[tuple[nn.Module, object]] = field(default_factory=list)
+    _removed: bool = False
+
+    def remove(self) -> None:
+        """Restore the original forwards (idempotent)."""
+        if self._removed:
+            return
+        for module, previous in reversed(self._records):
+            del module.forward
+            if previous is not None:  # the instance already had its own forward before us
+                module.forward = previous
+            delattr(module, _MARK)
+        self._records.clear()
+        self._removed = True
+
+
+@functools.cache
+def _liger_ops():
+    """(rms_norm(x, w, eps), silu_mul(a, b)) from liger-kernel; raises if it is not installed."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError("Liger patching needs liger-kernel: pip install 'lmms-kernels[liger]'")
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    def rms_norm(x, weight, eps):  # Qwen/Llama semantics: weight * (x_fp32 * rstd).to(x.dtype)
+        return LigerRMSNormFunction.apply(x.contiguous(), weight, eps, 0.0, "llama", False)
+
+    def silu_mul(a, b):
+        return LigerSiLUMulFunction.apply(a, b)
+
+    return rms_norm, silu_mul
+
+
+def _use_liger(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def _patch_rms_norm(module: nn.Module, original):
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if eps is None or getattr(module, "weight", None) is None:
+        raise RuntimeError(
+            f"{type(module).__name__} has no weight/variance_epsilon: cannot use Liger RMSNorm"
+        )
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        if not _use_liger(hidden_states):
+            return original(hidden_states)
+        rms_norm, _ = _liger_ops()
+        return rms_norm(hidden_states, module.weight, eps)
+
+    return forward
+
+
+def _patch_mlp(module: nn.Module, original):
+    missing = [n for n in ("gate_proj", "up_proj", "down_proj") if not hasattr(module, n)]
+    if missing:
+        raise RuntimeError(f"{type(module).__name__} lacks {missing}: not a SwiGLU MLP")
+    act = getattr(module, "act_fn", None)
+    if type(act).__name__ not in _SILU_NAMES:
+        raise RuntimeError(
+            f"{type(module).__name__} uses activation {type(act).__name__}, not SiLU: Liger SwiGLU does not apply"
+        )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _use_liger(x):
+            return original(x)
+        _, silu_mul = _liger_ops()
+        return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
+
+    return forward
+
+
+def apply_liger(
+    model: nn.Module, family: str, *, rms_norm: bool = True, swiglu: bool = True
+) -> PatchHandle:
+    """Patch this model instance's RMSNorm and SwiGLU MLP modules with Liger kernels.
+
+    ``family`` is the transformers model type (see ``LIGER_FAMILIES``). Returns a handle whose
+    ``remove()`` restores the model exactly. Raises if liger-kernel is missing, the family is
+    unknown, the model is already patched, or an expected module kind is not found.
+    """
+    if family not in LIGER_FAMILIES:
+        raise ValueError(
+            f"no Liger patch plan for family {family!r}; known: {sorted(LIGER_FAMILIES)}"
+        )
+    _liger_ops()  # fail early when liger-kernel is absent
+    spec = LIGER_FAMILIES[family]
+    plan: list[tuple[str, tuple[str, ...], object]] = []
+    if rms_norm:
+        plan.append(("rms_norm", spec.rms_norm, _patch_rms_norm))
+    if swiglu:
+        plan.append(("swiglu", spec.mlp, _patch_mlp))
+    handle = PatchHandle(family=family)
+    try:
+        for kind, class_names, make in plan:
+            names = []
+            for name, module in model.named_modules():
+                if type(module).__name__ not in class_names:
+                    continue
+                if hasattr(module, _MARK):
+                    raise RuntimeError(
+                        f"{name or 'model'} is already Liger-patched; remove the first handle first"
+                    )
+                previous = module.__dict__.get("forward")
+                module.forward = make(module, module.forward)
+                setattr(module, _MARK, True)
+                handle._records.append((module, previous))
+                names.append(name)
+            if not names and not (kind == "swiglu" and family in _MLP_OPTIONAL):
+                found = sorted({type(m).__name__ for m in model.modules()})
+                raise RuntimeError(
+                    f"Liger {kind} patch for {family!r} found no {class_names} module in "
+                    f"{type(model).__name__} (upstream rename?); module classes present: {found}"
+                )
+            handle.patched[kind] = names
+    except Exception:
+        handle.remove()
+        raise
+    return handle
