@@ -1,0 +1,68 @@
+"""lmms-data: streaming multimodal datasets, processors and packed batches that resume exactly.
+
+Public API::
+
+    DatasetConfig(...) / DatasetConfig.from_dict(yaml_section)     # unknown keys rejected
+    build_dataloader(config, processor, dp_rank, dp_world, num_workers, seed) -> PackedLoader
+        iter() -> packed batches; .state_dict() / .load_state_dict(); .metrics()
+    build_processor(family, hf_processor_or_path, config) ; PROCESSOR_REGISTRY
+    @register_dataset("name") (record adapter) ; @register_processor("family") ; check_keys(...)
+    collate_packed_batch(samples) -> dict of torch tensors
+    build_local_processor(out_dir, family, vocab_size) -> info dict (token ids)
+    generate_synthetic_vl(out_dir, n, format="parquet" | "jsonl", seed=0)
+"""
+
+from lmms_data import _datasets as _datasets  # registers the built-in dataset types
+from lmms_data import processors as processors  # registers the built-in processors
+from lmms_data._collate import MEDIA_KEYS, collate_packed_batch
+from lmms_data._config import DatasetConfig
+from lmms_data._errors import BAD_REASONS, BadRecordError, BadRecordRatioExceeded, BadRecordStats
+from lmms_data._loader import PackedLoader, build_dataloader, build_processor
+from lmms_data._local_processor import SPECIAL_TOKENS, build_local_processor
+from lmms_data._readers import Unit, discover_units, iter_unit
+from lmms_data._records import normalise
+from lmms_data._registry import (
+    DATASET_REGISTRY,
+    PROCESSOR_REGISTRY,
+    Registry,
+    check_keys,
+    register_dataset,
+    register_processor,
+)
+from lmms_data._stream import SlotStream
+from lmms_data._synthetic import generate_synthetic_vl
+from lmms_data.processors import IGNORE_INDEX, QwenVLProcessor, mrope_positions
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BAD_REASONS",
+    "DATASET_REGISTRY",
+    "IGNORE_INDEX",
+    "MEDIA_KEYS",
+    "PROCESSOR_REGISTRY",
+    "SPECIAL_TOKENS",
+    "BadRecordError",
+    "BadRecordRatioExceeded",
+    "BadRecordStats",
+    "DatasetConfig",
+    "PackedLoader",
+    "QwenVLProcessor",
+    "Registry",
+    "SlotStream",
+    "Unit",
+    "__version__",
+    "build_dataloader",
+    "build_local_processor",
+    "build_processor",
+    "check_keys",
+    "collate_packed_batch",
+    "discover_units",
+    "generate_synthetic_vl",
+    "iter_unit",
+    "mrope_positions",
+    "normalise",
+    "processors",
+    "register_dataset",
+    "register_processor",
+]

@@ -1,0 +1,50 @@
+"""``collate_packed_batch``: one pack of samples -> the packed batch the model consumes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from lmms_pack import collate_packed
+
+#: media keys concatenated along dim 0 in pack order
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+              "second_per_grid_ts")  # fmt: skip
+
+
+def collate_packed_batch(
+    samples: Sequence[Mapping[str, Any]],
+    *,
+    pad_to_multiple_of: int | None = None,
+    pad_token_id: int = 0,
+    as_torch: bool = True,
+) -> dict[str, Any]:
+    """``lmms_pack.collate_packed`` plus the samples' media tensors concatenated in pack order,
+    ``mm_token_type_ids [T]`` (when any sample has it; padding is 0) and ``vision_tokens`` (int).
+
+    Returns CPU torch tensors (``as_torch=False``: numpy). See docs/contracts.md, "packed batch".
+    """
+    row: dict[str, Any] = collate_packed(samples, pad_to_multiple_of, pad_token_id)
+    T = row["input_ids"].shape[0]
+    for key in MEDIA_KEYS:
+        vals = [np.asarray(s[key]) for s in samples if s.get(key) is not None]
+        if vals:
+            row[key] = np.concatenate(vals)
+    if any(s.get("mm_token_type_ids") is not None for s in samples):
+        mm = np.zeros(T, dtype=np.int64)
+        off = 0
+        for s in samples:
+            n = int(s["length"])
+            if s.get("mm_token_type_ids") is not None:
+                mm[off : off + n] = s["mm_token_type_ids"]
+            off += n
+        row["mm_token_type_ids"] = mm
+    row["vision_tokens"] = int(sum(int(s.get("vision_tokens", 0)) for s in samples))
+    if not as_torch:
+        return row
+    import torch
+
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
+            for k, v in row.items()}  # fmt: skip

@@ -1,0 +1,151 @@
+"""``build_local_processor``: a tiny, deterministic HF-format processor folder for tests and demos.
+
+No hub is needed: a small byte-level BPE tokenizer is trained with ``tokenizers`` on a fixed corpus
+(including the synthetic demo data's words), Qwen's special tokens get the first ids, and a
+Qwen-style chat template plus the image processor config are written next to it. The folder loads
+with ``AutoProcessor.from_pretrained(path)`` (and ``AutoTokenizer`` / ``AutoImageProcessor``).
+The image processor uses the pillow backend (``*ImageProcessorPil``) when torchvision is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Any
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|audio_pad|>",
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# per family: (processor class, patch size, image mean/std)
+_FAMILIES = {
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", 14, [0.48145466, 0.4578275, 0.40821073],
+                   [0.26862954, 0.26130258, 0.27577711]),
+    "qwen3_vl": ("Qwen3VLProcessor", 16, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
+}  # fmt: skip
+
+_CORPUS = [
+    "You are a helpful assistant.",
+    "Describe the image. What colour is the shape? How many shapes are there?",
+    "There is a red circle, a green square, a blue triangle and a yellow star on a white background.",
+    "The picture shows two red circles and one blue square. There are three shapes.",
+    "Answer: one two three four five six seven eight nine ten zero.",
+    "What is in the video? The shape moves from left to right.",
+    "user assistant system the a an is are of and in on to with what how many which colour color",
+    "red green blue yellow purple orange white black circle square triangle star shape shapes",
+    "0 1 2 3 4 5 6 7 8 9 10 . , ? ! : ; ' \" ( ) - \n",
+]
+
+
+def _has_torchvision() -> bool:
+    return importlib.util.find_spec("torchvision") is not None
+
+
+def build_local_processor(
+    out_dir: str,
+    family: str = "qwen2_5_vl",
+    *,
+    vocab_size: int = 1024,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 28 * 28 * 256,
+) -> dict[str, Any]:
+    """Write a tokenizer + chat template + image processor folder to ``out_dir`` (< 1 s).
+
+    Returns ``{"path", "vocab_size", "image_token_id", "video_token_id", "vision_start_token_id",
+    "vision_end_token_id", "eos_token_id", "pad_token_id", ...}`` so a tiny model config can match.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(_FAMILIES)}")
+    cls_name, patch, mean, std = _FAMILIES[family]
+    os.makedirs(out_dir, exist_ok=True)
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+
+    import transformers
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil_mod
+
+    ip_kwargs = dict(
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        patch_size=patch, temporal_patch_size=2, merge_size=2, image_mean=mean, image_std=std,
+    )  # fmt: skip
+    if _has_torchvision():
+        image_processor = transformers.Qwen2VLImageProcessor(**ip_kwargs)
+    else:
+        image_processor = pil_mod.Qwen2VLImageProcessorPil(**ip_kwargs)
+    processor_cls = getattr(transformers, cls_name)
+    video_processor = None
+    if _has_torchvision():
+        vp_cls = (
+            transformers.Qwen3VLVideoProcessor
+            if family == "qwen3_vl"
+            else transformers.Qwen2VLVideoProcessor
+        )
+        video_processor = vp_cls(
+            size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 2},
+            patch_size=patch, temporal_patch_size=2, merge_size=2, image_mean=mean, image_std=std,
+        )  # fmt: skip
+    proc = processor_cls(
+        image_processor=image_processor, tokenizer=hf_tok, video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )  # fmt: skip
+    proc.save_pretrained(out_dir)
+    ids = {t: hf_tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    info = {
+        "path": out_dir,
+        "family": family,
+        "vocab_size": len(hf_tok),
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "audio_token_id": ids["<|audio_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "bos_token_id": ids["<|endoftext|>"],
+        "patch_size": patch,
+        "special_token_ids": ids,
+    }
+    with open(os.path.join(out_dir, "lmms_processor_info.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    return info

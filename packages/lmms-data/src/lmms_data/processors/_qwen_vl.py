@@ -1,0 +1,231 @@
+"""Qwen2.5-VL and Qwen3-VL processors: chat record -> sample (ids, labels, media, mRoPE positions).
+
+The tokenizer's own chat template renders the conversation; each ``<|image_pad|>`` /
+``<|video_pad|>`` is then expanded to the exact number of merged vision tokens of its processed
+grid (``t*h*w / merge**2``), so ``length`` is exact, never estimated. Labels are the tokens of
+assistant turns (their text and the closing ``<|im_end|>``), found by character offsets, so the
+rule holds for any tokenizer. Images go through the HF image processor loaded from the folder
+(torchvision or pillow backend, whichever exists). Video frames are decoded with PyAV, sampled at
+``video_fps`` (capped at ``video_max_frames``), resized per frame within the video pixel bounds
+and patchified here in the layout the vision tower expects; this avoids the torchvision-only HF
+video processors at the cost of owning ~30 lines of resize/patch code (tested against them).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from lmms_data._errors import BadRecordError
+from lmms_data._media import decode_video, load_image
+from lmms_data._registry import register_processor
+from lmms_data.processors._mrope import mrope_positions
+
+IGNORE_INDEX = -100
+_ASSISTANT = re.compile(r"<\|im_start\|>assistant\n(.*?)(<\|im_end\|>)", re.S)
+
+
+def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Round to multiples of ``factor`` keeping the aspect ratio, with h*w inside the bounds."""
+    if max(h, w) / max(1, min(h, w)) > 200:
+        raise BadRecordError("bad_image", f"aspect ratio of {h}x{w} exceeds 200")
+    hb, wb = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
+    if hb * wb > max_pixels:
+        beta = math.sqrt(h * w / max_pixels)
+        hb = max(factor, math.floor(h / beta / factor) * factor)
+        wb = max(factor, math.floor(w / beta / factor) * factor)
+    elif hb * wb < min_pixels:
+        beta = math.sqrt(min_pixels / (h * w))
+        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
+    return hb, wb
+
+
+def _load_hf(processor: Any) -> tuple[Any, Any]:
+    """(tokenizer, image_processor) from a path or a loaded HF processor."""
+    if isinstance(processor, str):
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        try:
+            image_processor = AutoImageProcessor.from_pretrained(processor)
+        except (ImportError, ValueError):  # torchvision missing: pillow backend
+            image_processor = AutoImageProcessor.from_pretrained(processor, backend="pil")
+        return AutoTokenizer.from_pretrained(processor), image_processor
+    return processor.tokenizer, processor.image_processor
+
+
+class QwenVLProcessor:
+    """Turns normalised chat messages into one sample (see docs/contracts.md, "sample").
+
+    ``family`` is ``"qwen2_5_vl"`` or ``"qwen3_vl"`` (Qwen3-VL adds ``mm_token_type_ids`` and
+    per-frame timestamps in video prompts). ``tokens_per_second`` must equal the model's
+    ``vision_config.tokens_per_second`` (Qwen2.5-VL checkpoints use 2).
+    """
+
+    family = "qwen2_5_vl"
+
+    def __init__(
+        self, processor: Any, *, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280,
+        video_min_pixels: int = 128 * 28 * 28, video_max_pixels: int = 768 * 28 * 28,
+        video_fps: float = 2.0, video_max_frames: int = 32, tokens_per_second: float = 2.0,
+    ) -> None:  # fmt: skip
+        self.tokenizer, self.image_processor = _load_hf(processor)
+        ip = self.image_processor
+        self.patch = int(ip.patch_size)
+        self.merge = int(ip.merge_size)
+        self.tp = int(ip.temporal_patch_size)
+        self.mean = np.asarray(ip.image_mean, dtype=np.float32)
+        self.std = np.asarray(ip.image_std, dtype=np.float32)
+        self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.video_min_pixels, self.video_max_pixels = video_min_pixels, video_max_pixels
+        self.video_fps, self.video_max_frames = video_fps, video_max_frames
+        self.tokens_per_second = tokens_per_second
+        tid = self.tokenizer.convert_tokens_to_ids
+        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+        self.image_token_id, self.video_token_id = tid(self.image_token), tid(self.video_token)
+        self.vision_start, self.vision_end = "<|vision_start|>", "<|vision_end|>"
+        if self.image_token_id is None or self.image_token_id == self.tokenizer.unk_token_id:
+            raise ValueError("tokenizer lacks <|image_pad|>: not a Qwen-VL tokenizer")
+
+    # ---- media -----------------------------------------------------------------------------
+    def process_images(self, images: list[Image.Image]) -> dict[str, np.ndarray]:
+        out = self.image_processor(
+            images=images, return_tensors="np",
+            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+        )  # fmt: skip
+        return {
+            "pixel_values": np.asarray(out["pixel_values"], dtype=np.float32),  # [N, C*tp*p*p]
+            "image_grid_thw": np.asarray(out["image_grid_thw"], dtype=np.int64),  # [n, 3]
+        }
+
+    def patchify_video(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """frames [T, H, W, 3] uint8 -> (patches [t*h*w, C*tp*p*p], grid [3])."""
+        T, H, W, _ = frames.shape
+        f = self.patch * self.merge
+        h, w = smart_resize(H, W, f, self.video_min_pixels, self.video_max_pixels)
+        if (h, w) != (H, W):
+            frames = np.stack(
+                [np.asarray(Image.fromarray(x).resize((w, h), Image.BICUBIC)) for x in frames]
+            )
+        x = (frames.astype(np.float32) / 255.0 - self.mean) / self.std  # [T, h, w, C]
+        x = x.transpose(0, 3, 1, 2)  # [T, C, h, w]
+        if T % self.tp:
+            x = np.concatenate([x, np.repeat(x[-1:], self.tp - T % self.tp, axis=0)])
+        gt, gh, gw = x.shape[0] // self.tp, h // self.patch, w // self.patch
+        m, p, C = self.merge, self.patch, x.shape[1]
+        x = x.reshape(gt, self.tp, C, gh // m, m, p, gw // m, m, p)
+        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return x.reshape(gt * gh * gw, C * self.tp * p * p), np.array([gt, gh, gw], dtype=np.int64)
+
+    def _video_placeholder(self, grid: np.ndarray, indices: np.ndarray, fps: float) -> str:
+        n = int(grid[1] * grid[2]) // self.merge**2
+        return self.video_token * (int(grid[0]) * n)
+
+    # ---- main ------------------------------------------------------------------------------
+    def __call__(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        images, videos, template_msgs = [], [], []
+        for m in messages:
+            parts = []
+            for part in m["content"]:
+                t = part["type"]
+                if t == "image":
+                    images.append(load_image(part["image"]))
+                elif t == "video":
+                    videos.append(decode_video(part["video"], fps=self.video_fps,
+                                               max_frames=self.video_max_frames, multiple=self.tp))  # fmt: skip
+                elif t != "text":
+                    raise BadRecordError(
+                        "unsupported_media", f"{self.family} cannot take {t} parts"
+                    )
+                parts.append({"type": t, "text": part["text"]} if t == "text" else {"type": t})
+            template_msgs.append({"role": m["role"], "content": parts})
+        text = self.tokenizer.apply_chat_template(template_msgs, tokenize=False)
+
+        sample: dict[str, Any] = {}
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(images):
+            raise BadRecordError(
+                "media_mismatch",
+                f"template has {len(pieces) - 1} image slots for {len(images)} images",
+            )
+        if images:
+            sample.update(self.process_images(images))
+            merged = sample["image_grid_thw"].prod(-1) // self.merge**2
+            text = pieces[0] + "".join(
+                self.image_token * int(n) + rest for n, rest in zip(merged, pieces[1:], strict=True)
+            )
+        vpieces = text.split(self.video_token)
+        if len(vpieces) - 1 != len(videos):
+            raise BadRecordError(
+                "media_mismatch",
+                f"template has {len(vpieces) - 1} video slots for {len(videos)} videos",
+            )
+        if videos:
+            patches, grids, fills, spg = [], [], [], []
+            for v in videos:
+                pv, g = self.patchify_video(v.frames)
+                patches.append(pv)
+                grids.append(g)
+                fills.append(self._video_placeholder(g, v.indices, v.fps))
+                sampled_fps = len(v.indices) * v.fps / max(1, int(v.indices[-1]) + 1)
+                spg.append(self.tp / sampled_fps)
+            sample["pixel_values_videos"] = np.concatenate(patches)
+            sample["video_grid_thw"] = np.stack(grids)
+            if self.family == "qwen2_5_vl":
+                sample["second_per_grid_ts"] = np.asarray(spg, dtype=np.float32)
+            text = vpieces[0] + "".join(f + r for f, r in zip(fills, vpieces[1:], strict=True))
+
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = np.asarray(enc["input_ids"], dtype=np.int64)  # [L]
+        starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+        labels = np.full_like(ids, IGNORE_INDEX)
+        for mt in _ASSISTANT.finditer(text):
+            sel = (starts >= mt.start(1)) & (starts < mt.end(2))
+            labels[sel] = ids[sel]
+        types = np.zeros_like(ids)
+        types[ids == self.image_token_id] = 1
+        types[ids == self.video_token_id] = 2
+        labels[types != 0] = IGNORE_INDEX
+        if not (labels != IGNORE_INDEX).any():
+            raise BadRecordError("no_assistant", "no supervised token after templating")
+        rope = mrope_positions(
+            types, sample.get("image_grid_thw"), sample.get("video_grid_thw"), merge=self.merge,
+            family=self.family, second_per_grid_ts=spg if videos else None,
+            tokens_per_second=self.tokens_per_second,
+        )  # fmt: skip
+        L = len(ids)
+        sample["input_ids"] = ids
+        sample["labels"] = labels
+        sample["position_ids"] = np.concatenate(
+            [np.arange(L, dtype=np.int64)[None], rope]
+        )  # [4, L]
+        sample["length"] = L
+        sample["vision_tokens"] = int((types != 0).sum())
+        if self.family == "qwen3_vl":
+            sample["mm_token_type_ids"] = types.astype(np.int64)
+        return sample
+
+
+@register_processor("qwen2_5_vl")
+class Qwen2_5_VLDataProcessor(QwenVLProcessor):
+    family = "qwen2_5_vl"
+
+
+@register_processor("qwen3_vl")
+class Qwen3VLDataProcessor(QwenVLProcessor):
+    family = "qwen3_vl"
+
+    def _video_placeholder(self, grid: np.ndarray, indices: np.ndarray, fps: float) -> str:
+        # upstream Qwen3VLProcessor: "<{t:.1f} seconds>" + start + pads + end per temporal patch
+        idx = indices.tolist()
+        if len(idx) % self.tp:
+            idx += [idx[-1]] * (self.tp - len(idx) % self.tp)
+        stamps = [(idx[i] + idx[i + self.tp - 1]) / 2 / fps for i in range(0, len(idx), self.tp)]
+        n = int(grid[1] * grid[2]) // self.merge**2
+        return "".join(
+            f"<{t:.1f} seconds>{self.vision_start}{self.video_token * n}{self.vision_end}"
+            for t in stamps
+        )
