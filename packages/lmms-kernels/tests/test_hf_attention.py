@@ -118,3 +118,44 @@ def test_unavailable_explicit_backend_raises_at_registration():
         pytest.skip("CUDA present")
     with pytest.raises(RuntimeError, match="not available"):
         lk.register_varlen_attention("lmms_test_fa4", backend="fa4")
+
+
+def _set_attn(model, name):
+    """Set the implementation on the top, text and vision configs (after construction)."""
+    for cfg in (
+        model.config,
+        getattr(model.config, "text_config", None),
+        getattr(model.config, "vision_config", None),
+    ):
+        if cfg is not None:
+            cfg._attn_implementation = name
+    for m in model.modules():  # sub-models may hold their own config objects
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = name
+
+
+def test_qwen2_5_vl_vision_tower_flash_name_matches_sdpa():
+    from _kernels_ref import tiny_model
+
+    calls = []
+
+    def wrapper(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, softmax_scale, inner):
+        calls.append((causal, cu_q.tolist()))
+        return inner(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=softmax_scale)
+
+    name = lk.register_varlen_attention("lmms_test_flash_vision", backend="sdpa", wrapper=wrapper)
+    model = tiny_model("qwen2_5_vl").eval()
+    visual = model.model.visual
+    grid = torch.tensor([[1, 4, 4], [1, 4, 8]])
+    pix = torch.randn(48, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = visual(pix, grid_thw=grid)
+        _set_attn(model, name)
+        got = visual(pix, grid_thw=grid)
+    want = getattr(want, "pooler_output", want)
+    got = getattr(got, "pooler_output", got)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # one call per block (not a Python loop over windows), bidirectional, boundaries of the tower
+    assert len(calls) == 2 and all(c is False for c, _ in calls)
+    assert calls[1][1] == [0, 16, 48]  # the full-attention block sees one segment per image
