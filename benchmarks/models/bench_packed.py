@@ -221,7 +221,6 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     for n_tokens in args.tokens:
-        rng = random.Random(args.seed)
         torch.manual_seed(args.seed)
         n_steps = args.warmup + args.steps
         # ---- lmms

@@ -1,0 +1,61 @@
+"""GPU: the packed forward with the real kernels (bf16 autocast) against the upstream unpacked
+forward, for every family, and every available lmms varlen backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmms_models import get_model_spec
+from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
+
+pytestmark = pytest.mark.gpu
+
+
+def _backends():
+    import lmms_kernels
+
+    return [b for b in lmms_kernels.available_backends() if b in ("fa4", "fa", "torch", "flex")]
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl"])
+def test_packed_matches_unpacked_on_gpu(name):
+    spec = get_model_spec(name)
+    torch.manual_seed(0)
+    # head_dim 64 so that every flash backend accepts it
+    over = {"num_attention_heads": 2} if spec.position_rows == 1 else {}
+    if name in ("qwen3", "qwen3_moe"):
+        over["head_dim"] = 64
+    cfg = spec.tiny_config(**over) if over else spec.tiny_config()
+    if name == "qwen2_5_vl":
+        cfg["text_config"].update(
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "mrope_section": [16, 8, 8],
+            },
+        )
+    model = spec.build(config=cfg, device="cuda", attn_backend="sdpa")
+    gen = torch.Generator().manual_seed(0)
+    specs = [SampleSpec(text=40), SampleSpec(text=1, prompt=0), SampleSpec(text=17)]
+    if spec.position_rows > 1:
+        specs += [
+            SampleSpec(text=9, images=[(1, 4, 4), (1, 2, 6)]),
+            SampleSpec(text=5, videos=[(2, 4, 4)]),
+        ]
+    samples = [make_sample(spec, model.config, s, gen=gen) for s in specs]
+    samples = [{k: v.cuda() for k, v in s.items()} for s in samples]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref, n = reference_loss_sum(spec, model, samples)
+    batch = pack_samples(spec, model, samples, pad_to=256)
+    for backend in _backends():
+        spec.set_attention(model, backend=backend)
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+            loss, count = spec.packed_forward(model, batch)
+        assert int(count) == n
+        torch.testing.assert_close(
+            loss.float().cpu(), ref.detach().float().cpu(), rtol=2e-2, atol=1e-2, msg=backend
+        )
+        spec.set_attention(model, backend="sdpa")
