@@ -69,28 +69,34 @@ def resolve_spec(cfg: TrainConfig) -> Any:
     return get_model_spec(name)
 
 
+def _set_where_present(conf: dict[str, Any], key: str, value: Any) -> bool:
+    hit = False
+    for node in (conf, conf.get("text_config"), conf.get("vision_config")):
+        if isinstance(node, dict) and key in node:
+            node[key] = max(node[key], value) if key == "vocab_size" else value
+            hit = True
+    return hit
+
+
 def model_config_dict(
     cfg: TrainConfig, spec: Any, token_ids: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """The HF config dict for `load_from_config` (tiny base + user keys + processor token ids)."""
+    """The HF config dict for `load_from_config`: the family's tiny config (if `tiny`), the
+    token ids of a locally built processor (so the embedding table matches the tokenizer), then
+    the user's keys (which win)."""
     lfc = cfg.model_config.load_from_config
     assert lfc is not None
-    base = spec.tiny_config() if lfc.tiny else {}
-    conf = deep_merge(base, lfc.config)
-    if token_ids:
-        # Token ids of a locally built processor must match the embedding table.
-        text = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else None
-        for key, value in token_ids.items():
-            if key == "vocab_size":
-                if text is not None:
-                    text.setdefault(key, value)
-                    text[key] = max(text[key], value)
-                conf[key] = max(conf.get(key, value), value)
-            elif key.endswith("_token_id") and key not in lfc.config:
-                conf[key] = value
-                if text is not None and key in ("eos_token_id", "pad_token_id", "bos_token_id"):
-                    text[key] = value
-    return conf
+    conf = spec.tiny_config() if lfc.tiny else {}
+    for key, value in (token_ids or {}).items():
+        relevant = (key == "vocab_size" or key.endswith("_token_id")) and isinstance(value, int)
+        if (
+            relevant
+            and not _set_where_present(conf, key, value)
+            and key != "vocab_size"
+            and lfc.tiny
+        ):
+            conf[key] = value
+    return deep_merge(conf, lfc.config)
 
 
 def _freeze(model: nn.Module, spec: Any, names: list[str]) -> list[str]:

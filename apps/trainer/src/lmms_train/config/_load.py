@@ -182,6 +182,12 @@ def validate(cfg: TrainConfig) -> None:
         "(packed rows are only correct with padding-free varlen attention)",
     )
     _check(d.num_workers >= 0, "dataset_config.num_workers must be >= 0")
+    for key, choices in (("bad_record_policy", ("skip", "raise")),):
+        value = getattr(d, key)
+        _check(
+            value in choices,
+            f"dataset_config.{key}: {value!r} is not one of {', '.join(choices)}{suggest(value, choices)}",
+        )
     _check(t.max_steps > 0, "trainer_args.max_steps must be > 0")
     _check(
         t.gradient_accumulation_steps >= 1, "trainer_args.gradient_accumulation_steps must be >= 1"

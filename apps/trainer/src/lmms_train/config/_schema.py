@@ -75,53 +75,86 @@ class SyntheticDataConfig:
     num_samples: int = _f(256, "Number of records to generate.")
     format: Literal["parquet", "jsonl"] = _f("parquet", "File format of the generated dataset.")
     seed: int = _f(0, "Seed of the generator (same seed, same files).")
+    image_size: int = _f(64, "Side of the generated square images, in pixels.")
 
 
 @dataclass(kw_only=True, slots=True)
 class DatasetConfig:
-    """Where the data is and how samples become packed micro-batches."""
+    """Where the data is and how samples become packed micro-batches.
+
+    All keys except `eval_dataset_path` and `generate_synthetic` are those of
+    `lmms_data.DatasetConfig` and are passed to it unchanged (the processor family and folder
+    default to the model's). A test checks that every `lmms_data.DatasetConfig` key is here.
+    """
 
     dataset_type: str = _f(
-        "auto", "Registered dataset reader (`lmms_data` registry); `auto` picks by file type."
+        "chat",
+        "Record adapter from the `lmms_data` dataset registry (`chat`: messages/LLaVA records).",
     )
-    dataset_path: str = _f("", "File, folder or glob of the training records (required).")
+    dataset_path: str | list[str] = _f(
+        "", "File, folder or glob of record shards, or a list of them (a mixture) (required)."
+    )
+    dataset_format: str | None = _f(
+        None, "`jsonl`, `parquet`, `arrow` or `hf`; default: from the file extension."
+    )
     data_folder: str | None = _f(
-        None, "Root folder for media paths in records (default: the dataset's folder)."
+        None, "Base folder of relative media paths in records (default: the shard's folder)."
     )
-    eval_dataset_path: str | None = _f(
-        None, "Held-out records for the periodic validation loss (`trainer_args.eval_steps`)."
+    allow_absolute_paths: bool = _f(
+        False, "Allow media paths that are absolute or escape `data_folder`."
     )
-    generate_synthetic: SyntheticDataConfig | None = _f(
-        None,
-        "If set and `dataset_path` does not exist, generate synthetic demo data there first.",
+    mixture_weights: list[float] | None = _f(
+        None, "Sampling weight per `dataset_path` entry of a mixture."
+    )
+    processor_family: str | None = _f(
+        None, "Processor from the `lmms_data` registry (default: the model family's)."
+    )
+    processor_path: str | None = _f(
+        None, "Tokenizer/processor folder (default: `model_config.processor_path`)."
     )
     packing: bool = _f(True, "Pack several samples into one padding-free row (micro-batch).")
     packing_strategy: str = _f(
         "first_fit", "Streaming bin-packing strategy of `lmms_pack` (e.g. `first_fit`, `best_fit`)."
     )
     packing_length: int = _f(
-        4096, "Tokens per packed row (with `packing: false`: the longest allowed sample)."
+        4096,
+        "Tokens per packed row (the micro-batch size in tokens). A longer sample is an error.",
     )
-    packing_buffer: int = _f(
-        64, "Open bins kept by the streaming packer (memory is O(buffer), not O(dataset))."
+    max_open_bins: int = _f(
+        8, "Open bins kept by the streaming packer (memory O(bins), never O(dataset))."
     )
-    oversize_policy: Literal["error", "truncate", "drop"] = _f(
-        "error", "What to do with a sample longer than `packing_length`."
+    bad_record_policy: str = _f(
+        "skip", "Unreadable/invalid records: `skip` (counted, reported) or `raise`."
     )
-    bad_record_policy: Literal["count", "raise"] = _f(
-        "count", "Unreadable or invalid records: count and skip them, or stop the run."
+    max_bad_record_ratio: float = _f(
+        0.1, "Abort when bad records exceed this fraction of those seen..."
     )
-    max_length: int | None = _f(None, "Truncate every sample to this many tokens first.")
-    shuffle: bool = _f(True, "Shuffle the record order (seeded by `trainer_args.seed`).")
-    shuffle_buffer: int = _f(1024, "Size of the streaming shuffle buffer.")
-    num_workers: int = _f(0, "Data loader worker processes per rank.")
-    allow_absolute_paths: bool = _f(
-        False, "Allow media paths in records that point outside `data_folder`."
+    min_records_for_ratio: int = _f(200, "...once at least this many records were seen.")
+    shuffle: bool = _f(True, "Shuffle shards and records (seeded).")
+    shuffle_buffer: int = _f(256, "Records held for local shuffling (0: no buffer).")
+    seed: int = _f(0, "Seed of the data order.")
+    num_workers: int = _f(2, "Data loader worker processes per rank (0: in the main process).")
+    num_epochs: int | None = _f(
+        None, "Passes over the data; `null` repeats forever (runs are `max_steps`-driven)."
     )
-    image_max_pixels: int | None = _f(
-        None, "Upper bound on pixels per image for the processor (resizes larger images)."
+    min_pixels: int = _f(56 * 56, "Lower bound on pixels per image (resized up).")
+    max_pixels: int = _f(28 * 28 * 1280, "Upper bound on pixels per image (resized down).")
+    video_min_pixels: int = _f(128 * 28 * 28, "Lower bound on pixels per video frame.")
+    video_max_pixels: int = _f(768 * 28 * 28, "Upper bound on pixels per video frame.")
+    video_fps: float = _f(2.0, "Frames per second sampled from videos.")
+    video_max_frames: int = _f(32, "Most frames sampled from one video.")
+    prefetch_factor: int = _f(2, "Packs prefetched per data loader worker.")
+    extra: dict[str, Any] = _f(
+        {}, "Extra keyword arguments for custom dataset adapters/processors."
     )
-    image_min_pixels: int | None = _f(None, "Lower bound on pixels per image for the processor.")
+    # trainer-owned keys
+    eval_dataset_path: str | list[str] | None = _f(
+        None, "Held-out records for the periodic validation loss (`trainer_args.eval_steps`)."
+    )
+    generate_synthetic: SyntheticDataConfig | None = _f(
+        None,
+        "If set and `dataset_path` does not exist, generate the synthetic demo dataset there first.",
+    )
 
 
 _Schedule = Literal["constant", "linear", "cosine", "wsd"]

@@ -1,0 +1,193 @@
+"""Data set-up: demo inputs generated on first use, then lmms_data's resumable packed loader.
+
+`prepare_inputs` makes a fresh clone self-contained: when the config says how
+(`dataset_config.generate_synthetic`, `model_config.build_local_processor`) and the paths do not
+exist, rank 0 generates the synthetic dataset and a small local tokenizer/processor folder
+(deterministic, seconds), and every rank waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import itertools
+from pathlib import Path
+from typing import Any
+
+from lmms_train._dist import DistEnv
+from lmms_train._errors import ConfigError, UserError, suggest
+from lmms_train.config import TrainConfig, config_to_dict
+
+__all__ = ["TrainData", "build_data", "data_config", "prepare_inputs"]
+
+TRAINER_KEYS = ("eval_dataset_path", "generate_synthetic")
+_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+
+
+def _processor_path(cfg: TrainConfig) -> str | None:
+    m = cfg.model_config
+    return cfg.dataset_config.processor_path or m.processor_path or m.load_from_pretrained_path
+
+
+def _exists(path: str | list[str]) -> bool:
+    paths = [path] if isinstance(path, str) else path
+    return all(Path(p).exists() or glob.glob(p) for p in paths)
+
+
+def prepare_inputs(cfg: TrainConfig, env: DistEnv, spec: Any) -> dict[str, int] | None:
+    """Generate missing demo data / processor (rank 0); return the processor's token ids when
+    it was built locally (so a model built from config gets a matching vocabulary)."""
+    d, m = cfg.dataset_config, cfg.model_config
+    proc = _processor_path(cfg)
+    family = d.processor_family or spec.processor_family
+    if env.is_main:
+        if (
+            d.generate_synthetic is not None
+            and isinstance(d.dataset_path, str)
+            and not _exists(d.dataset_path)
+        ):
+            from lmms_data import generate_synthetic_vl
+
+            g = d.generate_synthetic
+            out = (
+                d.dataset_path
+                if not Path(d.dataset_path).suffix
+                else str(Path(d.dataset_path).parent)
+            )
+            generate_synthetic_vl(
+                out, g.num_samples, format=g.format, seed=g.seed, image_size=g.image_size
+            )
+        if m.build_local_processor and proc and not Path(proc).exists():
+            from lmms_data import build_local_processor
+
+            try:
+                build_local_processor(proc, family)
+            except ValueError as exc:
+                raise ConfigError(f"model_config.build_local_processor: {exc}") from exc
+    env.barrier()
+    if not (m.build_local_processor and proc):
+        return None
+    return _token_ids(proc)
+
+
+def _token_ids(path: str) -> dict[str, int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    ids = {"vocab_size": len(tok)}
+    for key, token in _TOKENS.items():
+        tid = tok.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tok.unk_token_id:
+            ids[key] = tid
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if getattr(tok, key, None) is not None:
+            ids[key] = getattr(tok, key)
+    return ids
+
+
+def data_config(cfg: TrainConfig, spec: Any, **overrides: Any) -> Any:
+    """`lmms_data.DatasetConfig` from the trainer's `dataset_config` section."""
+    from lmms_data import DatasetConfig
+
+    raw = {k: v for k, v in config_to_dict(cfg.dataset_config).items() if k not in TRAINER_KEYS}
+    raw["processor_family"] = raw["processor_family"] or spec.processor_family
+    raw["processor_path"] = _processor_path(cfg)
+    raw.update(overrides)
+    known = {f.name for f in dataclasses.fields(DatasetConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:  # the trainer's schema is ahead of lmms_data's: say so instead of dropping keys
+        raise ConfigError(
+            f"dataset_config: keys {unknown} are not understood by this lmms_data version"
+        )
+    try:
+        return DatasetConfig.from_dict(raw)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"dataset_config: {exc}") from exc
+
+
+class TrainData:
+    """The training stream for this rank: packed batches, resumable, with clear data errors."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self):
+        it = iter(self.loader)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                raise UserError(
+                    "the training data ran out before max_steps (set dataset_config.num_epochs: null)"
+                ) from None
+            except ValueError as exc:
+                msg = str(exc)
+                if "longer than" in msg or "overlong" in msg or "capacity" in msg:
+                    raise UserError(
+                        f"a sample does not fit dataset_config.packing_length: {msg} "
+                        "(raise packing_length or shorten the samples)"
+                    ) from None
+                raise
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def bad_records(self) -> int:
+        return int(self.loader.metrics().get("records_bad", 0))
+
+
+def _check_inputs(cfg: TrainConfig, spec: Any, dcfg: Any) -> None:
+    from lmms_data import PROCESSOR_REGISTRY
+
+    d = cfg.dataset_config
+    if not _exists(d.dataset_path):
+        raise UserError(f"dataset_config.dataset_path: {d.dataset_path!r} does not exist")
+    if d.eval_dataset_path is not None and not _exists(d.eval_dataset_path):
+        raise UserError(f"dataset_config.eval_dataset_path: {d.eval_dataset_path!r} does not exist")
+    names = list(PROCESSOR_REGISTRY.names())
+    if dcfg.processor_family not in names:
+        raise ConfigError(
+            f"no lmms_data processor {dcfg.processor_family!r} for model {spec.name!r}"
+            f"{suggest(dcfg.processor_family, names)}; registered processors: {', '.join(names)}"
+        )
+    if not dcfg.processor_path or not Path(dcfg.processor_path).exists():
+        raise UserError(
+            f"tokenizer/processor folder {dcfg.processor_path!r} does not exist (set "
+            "model_config.processor_path, or build_local_processor: true for a demo tokenizer)"
+        )
+
+
+def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, Any]:
+    """This rank's training stream and a callable giving the validation packs (or None)."""
+    from lmms_data import build_dataloader, build_processor
+
+    dcfg = data_config(cfg, spec)
+    _check_inputs(cfg, spec, dcfg)
+    try:
+        processor = build_processor(dcfg.processor_family, dcfg.processor_path, dcfg)
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"could not load the processor from {dcfg.processor_path!r}: {exc}"
+        ) from exc
+    loader = build_dataloader(dcfg, processor, dp_rank=env.dp_rank, dp_world=env.dp_size)
+    eval_data = None
+    d, t = cfg.dataset_config, cfg.trainer_args
+    if d.eval_dataset_path is not None and t.eval_steps > 0:
+        ecfg = data_config(
+            cfg, spec, dataset_path=d.eval_dataset_path, shuffle=False, num_workers=0
+        )
+
+        def eval_data() -> list[dict[str, Any]]:
+            fresh = build_dataloader(ecfg, processor, dp_rank=env.dp_rank, dp_world=env.dp_size)
+            return list(itertools.islice(iter(TrainData(fresh)), t.eval_batches))
+
+    return TrainData(loader), eval_data

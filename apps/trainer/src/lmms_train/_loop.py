@@ -1,0 +1,229 @@
+"""The training loop: fetch a step's packs, one normalised step, metrics, eval, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmms_train._checkpoint import RunCheckpointer
+from lmms_train._dist import DistEnv
+from lmms_train._flops import mfu
+from lmms_train._metrics import MetricsLogger
+from lmms_train._state import TrainState
+from lmms_train._step import STAT_KEYS, Timer, batch_stats, move_batch, run_micro_batches
+from lmms_train.config import TrainConfig
+
+__all__ = ["Run", "train_loop"]
+
+
+@dataclass(kw_only=True)
+class Run:
+    """Everything the loop needs, assembled by `lmms_train._trainer`."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    spec: Any
+    model: torch.nn.Module
+    hf_config: Any
+    forward: Any  # (model, batch) -> (loss_sum, n_tokens)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    data: Any  # train data: iterator of packed batches with state_dict()
+    eval_data: Any  # None, or callable(n) -> list of packed batches
+    checkpointer: RunCheckpointer
+    logger: MetricsLogger
+    state: TrainState = field(default_factory=TrainState)
+    peak_flops: float = 1.0
+    autocast_dtype: torch.dtype | None = None
+    stop_requested: bool = False
+
+
+def _flops_fn(run: Run):
+    spec, conf = run.spec, run.hf_config
+
+    def fn(batch: dict[str, Any], lens: list[int]) -> tuple[float, float]:
+        lm = float(spec.lm_flops(conf, lens))
+        vis = 0.0
+        for key in ("image_grid_thw", "video_grid_thw"):
+            grid = batch.get(key)
+            if grid is not None and len(grid):
+                vis += float(spec.vision_flops(conf, grid))
+        return lm, vis
+
+    return fn
+
+
+def _peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kb / 2**20
+
+
+def _grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def evaluate(run: Run) -> float:
+    """Mean validation loss over `eval_batches` packs per rank (same packs every time)."""
+    model, env = run.model, run.env
+    model.eval()
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for batch in run.eval_data():
+            batch = move_batch(batch, env.device)
+            ctx = (
+                torch.autocast(env.device.type, dtype=run.autocast_dtype)
+                if run.autocast_dtype
+                else torch.autocast(env.device.type, enabled=False)
+            )
+            with ctx:
+                loss_sum, n = run.forward(model, batch)
+            total += float(loss_sum)
+            count += float(n)
+    model.train()
+    total, count = env.all_reduce([total, count])
+    return total / max(count, 1.0)  # both sums are over-counted by sp alike
+
+
+def _install_sigterm(run: Run) -> Any:
+    def handler(signum, frame):
+        run.stop_requested = True
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
+
+
+def train_loop(run: Run) -> dict[str, Any]:
+    """Train until `max_steps` (or SIGTERM); returns the last step's metrics."""
+    cfg, env, t = run.cfg, run.env, run.cfg.trainer_args
+    d = cfg.dataset_config
+    timer = Timer(env.device)
+    flops_fn = _flops_fn(run)
+    previous = _install_sigterm(run)
+    last: dict[str, Any] = {}
+    last_saved = run.state.step
+    data_iter = iter(run.data)
+    run.model.train()
+    try:
+        while run.state.step < t.max_steps:
+            t0 = timer.now()
+            batches = [next(data_iter) for _ in range(t.gradient_accumulation_steps)]
+            t_data = timer.now() - t0
+            sums, lens = batch_stats(batches, flops_fn=flops_fn, packing_length=d.packing_length)
+            sums["data_wait"] = t_data
+            sums["stop"] = float(run.stop_requested)
+            reduced = dict(
+                zip(STAT_KEYS, env.all_reduce([sums[k] for k in STAT_KEYS]), strict=True)
+            )
+            per_sp = {k: v / env.sp for k, v in reduced.items()}  # SP ranks share their packs
+            global_count = per_sp["loss_tokens"]
+            loss_local = run_micro_batches(
+                model=run.model,
+                forward=run.forward,
+                batches=batches,
+                device=env.device,
+                scale=1.0 / max(global_count, 1.0),
+                autocast_dtype=run.autocast_dtype,
+            )
+            grad_norm = _grad_norm(run.model, t.max_grad_norm)
+            lr = run.scheduler.get_last_lr()[0]
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            local_bad = int(run.data.bad_records()) if hasattr(run.data, "bad_records") else 0
+            loss_sum, bad = env.all_reduce([float(loss_local), float(local_bad)])
+            seq_max, neg_min = env.all_reduce(
+                [float(max(lens, default=0)), -float(min(lens, default=0))], op="max"
+            )
+            dt = timer.now() - t0
+            run.state.step += 1
+            run.state.tokens_seen += int(per_sp["tokens"])
+            run.state.samples_seen += int(per_sp["samples"])
+            flops_total = per_sp["flops_lm"] + per_sp["flops_vision"]
+            metrics: dict[str, Any] = {
+                "loss": loss_sum / env.sp / max(global_count, 1.0),
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_sec": per_sp["tokens"] / dt,
+                "mfu": mfu(flops_total, dt, env.world_size, run.peak_flops),
+                "mfu_lm": mfu(per_sp["flops_lm"], dt, env.world_size, run.peak_flops),
+                "step_time": dt,
+                "tokens": int(per_sp["tokens"]),
+                "loss_tokens": int(global_count),
+                "samples": int(per_sp["samples"]),
+                "vision_tokens": int(per_sp["vision_tokens"]),
+                "tokens_seen": run.state.tokens_seen,
+                "perf/global_seq_len_avg": per_sp["tokens"] / max(per_sp["samples"], 1.0),
+                "perf/global_seq_len_min": -neg_min,
+                "perf/global_seq_len_max": seq_max,
+                "packing_fill_ratio": per_sp["tokens"] / max(per_sp["capacity"], 1.0),
+                "data_wait_fraction": reduced["data_wait"] / env.world_size / dt,
+                "peak_memory_gb": _peak_memory_gb(env.device),
+                "bad_records": int(bad / env.sp),
+            }
+            step = run.state.step
+            if (
+                t.eval_steps
+                and run.eval_data is not None
+                and (step % t.eval_steps == 0 or step == t.max_steps)
+            ):
+                metrics["eval_loss"] = evaluate(run)
+            if env.is_main:
+                run.logger.log(step, metrics)
+            last = metrics
+            if not math.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"loss is {metrics['loss']} at step {step}")
+            stop = reduced["stop"] > 0
+            periodic = t.save_steps and step % t.save_steps == 0
+            final = step == t.max_steps and t.save_final
+            if periodic or final or stop:
+                _save(run)
+                last_saved = step
+            if stop:
+                if env.is_main:
+                    print(
+                        f"[lmms-train] SIGTERM: saved step {step} and stopped",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                break
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    del last_saved
+    return last
+
+
+def _save(run: Run) -> None:
+    t0 = time.perf_counter()
+    path = run.checkpointer.save(
+        step=run.state.step,
+        model=run.model,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        state=run.state,
+        data=run.data,
+        env=run.env,
+    )
+    if run.env.is_main and "console" in run.cfg.trainer_args.report_to:
+        print(
+            f"[lmms-train] checkpoint {path} ({time.perf_counter() - t0:.1f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
