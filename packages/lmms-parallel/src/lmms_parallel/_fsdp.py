@@ -88,10 +88,18 @@ def _shared_outside(model: nn.Module, block: nn.Module) -> bool:
 
 
 def _sum_gradients(model: nn.Module) -> None:
-    """Make FSDP2 sum (not average) gradients over its ranks, on every unit."""
+    """Make FSDP2 sum (not average) gradients over its ranks, on every unit.
+
+    A divide factor of 1 alone makes FSDP use NCCL's PreMulSum, which gloo lacks; forcing
+    sum-only reductions (where this torch has it) gives a plain SUM on every backend.
+    """
     for module in model.modules():
+        if not hasattr(module, "unshard"):
+            continue
         setter = getattr(module, "set_gradient_divide_factor", None)
         if setter is None:  # torch < 2.8
-            setter = getattr(module, "set_reduce_scatter_divide_factor", None)
-        if setter is not None and hasattr(module, "unshard"):
-            setter(1.0)
+            setter = module.set_reduce_scatter_divide_factor
+        setter(1.0)
+        force_sum = getattr(module, "set_force_sum_reduction_for_comms", None)
+        if force_sum is not None:
+            force_sum(True)
