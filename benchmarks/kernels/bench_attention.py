@@ -13,15 +13,19 @@ CPU:  python benchmarks/kernels/bench_attention.py --tokens 512 --heads 4 --kv-h
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
+import json
 import math
+import os
 import sys
+from pathlib import Path
 
 import torch
-from _harness import device_name, print_table, time_ms, write_json
 
 import lmms_kernels as lk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import harness
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--write", action="store_true", help="write the section of benchmarks/RESULTS.md"
+    )
     return p.parse_args()
 
 
@@ -57,6 +64,45 @@ def _fwd(q, k, v, cu, mx, causal, backend):
 def _fwd_bwd(q, k, v, go, cu, mx, causal, backend):
     out = lk.varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend=backend)
     torch.autograd.grad(out, (q, k, v), go)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ms(fn, device: torch.device, *, warmup: int, iters: int) -> float:
+    """Median milliseconds per call (the shared harness times; we synchronise CUDA inside)."""
+
+    def call():
+        fn()
+        _sync(device)
+
+    return harness.timeit(call, repeat=iters, warmup=warmup).wall_median * 1e3
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
+    return str(x)
+
+
+def _report(
+    name: str, title: str, rows: list[dict], cols: list[str], meta: dict, write: bool
+) -> None:
+    """Write JSON to $OUT (if set), optionally the RESULTS.md section, and print the table last."""
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    table = harness.markdown_table(cols, [[_fmt(r.get(c)) for c in cols] for r in rows])
+    if write:
+        harness.write_section(title, table, command=meta["command"])
+    print(meta["header"])
+    print(table)
 
 
 def main() -> None:
@@ -87,25 +133,24 @@ def main() -> None:
                 fwd_bwd = functools.partial(_fwd_bwd, q, k, v, go, cu, mx, causal, be)
                 row = {"T": t, "docs": len(lens), "mode": mode, "backend": be}
                 try:
-                    ms_f = time_ms(fwd, device, warmup=args.warmup, iters=args.iters)
+                    ms_f = _ms(fwd, device, warmup=args.warmup, iters=args.iters)
                     row.update(fwd_ms=ms_f, fwd_tflops=fwd_flops / ms_f / 1e9)
                     if device.type == "cuda" or be != "flex":  # flex has no CPU backward
-                        ms_b = time_ms(fwd_bwd, device, warmup=args.warmup, iters=args.iters)
+                        ms_b = _ms(fwd_bwd, device, warmup=args.warmup, iters=args.iters)
                         row.update(fwdbwd_ms=ms_b, fwdbwd_tflops=3.5 * fwd_flops / ms_b / 1e9)
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {e}"[:80]
                 rows.append(row)
                 print(row, file=sys.stderr, flush=True)
     meta = {
-        "device": device_name(device),
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
+        **harness.environment(),
         "dtype": str(dtype),
-        "shape": {"heads": h, "kv_heads": kv, "head_dim": d, "doc_median": args.doc_median},
-        "command": " ".join(sys.argv),
+        "shape": f"H={h} KV={kv} D={d}, doc median {args.doc_median}",
+        "command": "python " + " ".join(sys.argv),
     }
-    write_json("bench_attention", {"meta": meta, "rows": rows})
-    print(f"# {meta['device']}, torch {torch.__version__}, {dtype}, H={h} KV={kv} D={d}")
+    meta["header"] = (
+        f"# {meta.get('gpu', meta['cpu'])}, torch {torch.__version__}, {dtype}, {meta['shape']}"
+    )
     cols = [
         "T",
         "docs",
@@ -117,7 +162,10 @@ def main() -> None:
         "fwdbwd_tflops",
         "error",
     ]
-    print_table(rows, cols)
+    title = (
+        "lmms-kernels: varlen attention TFLOP/s per backend (benchmarks/kernels/bench_attention.py)"
+    )
+    _report("bench_attention", title, rows, cols, meta, args.write)
 
 
 if __name__ == "__main__":

@@ -14,16 +14,21 @@ CPU:  python benchmarks/kernels/bench_flce.py --tokens 256 --hidden 64 --vocab 4
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
+import gc
 import importlib.util
+import json
+import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _harness import device_name, peak_mem_mib, print_table, time_ms, write_json
 
 import lmms_kernels as lk
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import harness
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,6 +39,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--write", action="store_true", help="write the section of benchmarks/RESULTS.md"
+    )
     return p.parse_args()
 
 
@@ -50,6 +58,59 @@ def _step(fn, h, w, y):
     loss = fn(h, w, y)
     gh, gw = torch.autograd.grad(loss, (h, w))
     return loss, gh, gw
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ms(fn, device: torch.device, *, warmup: int, iters: int) -> float:
+    """Median milliseconds per call (the shared harness times; we synchronise CUDA inside)."""
+
+    def call():
+        fn()
+        _sync(device)
+
+    return harness.timeit(call, repeat=iters, warmup=warmup).wall_median * 1e3
+
+
+def _peak_mib(fn, device: torch.device) -> float | None:
+    """Peak CUDA memory allocated above the current level while running ``fn()`` once."""
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.empty_cache()
+    _sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
+    return str(x)
+
+
+def _report(
+    name: str, title: str, rows: list[dict], cols: list[str], meta: dict, write: bool
+) -> None:
+    """Write JSON to $OUT (if set), optionally the RESULTS.md section, and print the table last."""
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    table = harness.markdown_table(cols, [[_fmt(r.get(c)) for c in cols] for r in rows])
+    if write:
+        harness.write_section(title, table, command=meta["command"])
+    print(meta["header"])
+    print(table)
 
 
 def main() -> None:
@@ -85,27 +146,27 @@ def main() -> None:
                 row["loss_rel_err"] = float((loss.float() - ref[0]).abs() / ref[0].abs())
                 row["grad_h_max_err"] = float((gh.float() - ref[1]).abs().max())
                 del loss, gh, gw
-                row["ms"] = time_ms(step, device, warmup=args.warmup, iters=args.iters)
-                row["peak_mib"] = peak_mem_mib(step, device)
+                row["ms"] = _ms(step, device, warmup=args.warmup, iters=args.iters)
+                row["peak_mib"] = _peak_mib(step, device)
             except torch.cuda.OutOfMemoryError:
                 row["error"] = "out of memory"
             rows.append(row)
             print(row, file=sys.stderr, flush=True)
         del h, y, ref, step
     meta = {
-        "device": device_name(device),
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
+        **harness.environment(),
         "dtype": str(dtype),
-        "hidden": args.hidden,
-        "vocab": args.vocab,
-        "command": " ".join(sys.argv),
+        "shape": f"Hd={args.hidden} V={args.vocab}, fwd+bwd",
+        "command": "python " + " ".join(sys.argv),
     }
-    write_json("bench_flce", {"meta": meta, "rows": rows})
-    print(
-        f"# {meta['device']}, torch {torch.__version__}, {dtype}, Hd={args.hidden} V={args.vocab}, fwd+bwd"
+    meta["header"] = (
+        f"# {meta.get('gpu', meta['cpu'])}, torch {torch.__version__}, {dtype}, {meta['shape']}"
     )
-    print_table(rows, ["T", "impl", "ms", "peak_mib", "loss_rel_err", "grad_h_max_err", "error"])
+    cols = ["T", "impl", "ms", "peak_mib", "loss_rel_err", "grad_h_max_err", "error"]
+    title = (
+        "lmms-kernels: fused linear cross-entropy vs logits + CE (benchmarks/kernels/bench_flce.py)"
+    )
+    _report("bench_flce", title, rows, cols, meta, args.write)
 
 
 if __name__ == "__main__":
