@@ -119,10 +119,11 @@ def pack_samples(
     n_real = len(lens)
     pad = pad_to - sum(lens)
     if pad > 0:
-        ids.append(torch.zeros(pad, dtype=torch.long))
-        labels.append(torch.full((pad,), IGNORE_INDEX))
-        shift.append(torch.full((pad,), IGNORE_INDEX))
-        pos.append(torch.arange(pad).expand(pos[0].shape[0], -1))
+        dev = ids[0].device
+        ids.append(torch.zeros(pad, dtype=torch.long, device=dev))
+        labels.append(torch.full((pad,), IGNORE_INDEX, device=dev))
+        shift.append(torch.full((pad,), IGNORE_INDEX, device=dev))
+        pos.append(torch.arange(pad, device=dev).expand(pos[0].shape[0], -1))
         lens.append(pad)
     position_ids = torch.cat(pos, -1)
     batch: dict[str, Any] = {

@@ -20,7 +20,7 @@ class Qwen3Spec(ModelSpec):
     model_class = "Qwen3ForCausalLM"
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        return tiny_text(head_dim=32, attention_bias=False, **overrides)
+        return tiny_text(**{"head_dim": 32, "attention_bias": False, **overrides})
 
     def lm_matmul_params(self, config: Any) -> int:
         cfg = self.text_config(config)

@@ -23,7 +23,7 @@ class Qwen3MoeSpec(ModelSpec):
     model_class = "Qwen3MoeForCausalLM"
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        return tiny_text(
+        moe = dict(
             head_dim=32,
             attention_bias=False,
             num_experts=4,
@@ -32,8 +32,8 @@ class Qwen3MoeSpec(ModelSpec):
             decoder_sparse_step=1,
             norm_topk_prob=True,
             output_router_logits=False,
-            **overrides,
         )
+        return tiny_text(**{**moe, **overrides})
 
     def lm_matmul_params(self, config: Any) -> int:
         cfg = self.text_config(config)
