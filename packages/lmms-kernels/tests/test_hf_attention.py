@@ -159,3 +159,29 @@ def test_qwen2_5_vl_vision_tower_flash_name_matches_sdpa():
     # one call per block (not a Python loop over windows), bidirectional, boundaries of the tower
     assert len(calls) == 2 and all(c is False for c, _ in calls)
     assert calls[1][1] == [0, 16, 48]  # the full-attention block sees one segment per image
+
+
+@pytest.mark.gpu
+def test_packed_qwen2_auto_backend_gpu():
+    """The auto backend (fa4/fa/torch/flex on CUDA) in a bf16 packed row ≈ per-sample SDPA."""
+    name = lk.register_varlen_attention("lmms_test_varlen_gpu")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, use_cache=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).cuda().bfloat16().eval()
+    lens = [100, 37, 250, 1]
+    samples = [torch.randint(0, 97, (n,), device="cuda") for n in lens]
+    with torch.no_grad():
+        ref = torch.cat([model(input_ids=s[None]).logits[0] for s in samples]).float()
+        model.config._attn_implementation = name
+        cu = torch.tensor(
+            [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda"
+        )
+        pos = torch.cat([torch.arange(n, device="cuda") for n in lens])[None]
+        out = model(
+            input_ids=torch.cat(samples)[None], position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+            max_length_q=max(lens), max_length_k=max(lens),
+        ).logits[0].float()  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=5e-2, rtol=5e-2)
