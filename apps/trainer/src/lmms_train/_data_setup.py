@@ -125,7 +125,14 @@ class TrainData:
                 raise UserError(
                     "the training data ran out before max_steps (set dataset_config.num_epochs: null)"
                 ) from None
-            except ValueError as exc:
+            except (ValueError, RuntimeError) as exc:
+                if type(exc).__name__ in ("BadRecordRatioExceeded", "BadRecordError"):
+                    lines = str(exc).splitlines()
+                    hint = next((ln.strip() for ln in lines[1:] if ln.strip()), "")
+                    raise UserError(
+                        f"{lines[0]}{'; e.g. ' + hint if hint else ''} (see dataset_config."
+                        "bad_record_policy / max_bad_record_ratio / packing_length)"
+                    ) from None
                 msg = str(exc)
                 if "longer than" in msg or "overlong" in msg or "capacity" in msg:
                     raise UserError(
