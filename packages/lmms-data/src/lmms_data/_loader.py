@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,9 +51,8 @@ def discover(cfg: DatasetConfig, n_slots: int) -> list[list[Unit]]:
 def _is_hf_processor(p: Any) -> bool:
     if isinstance(p, str | os.PathLike):
         return True
-    from transformers import ProcessorMixin
-
-    return isinstance(p, ProcessorMixin)
+    tf = sys.modules.get("transformers")  # not imported -> p cannot be an HF processor
+    return tf is not None and isinstance(p, tf.ProcessorMixin)
 
 
 def _identity(x: Any) -> Any:

@@ -9,6 +9,13 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 
+class UnknownNameError(KeyError):
+    """A name missing from a registry (a KeyError whose message prints unquoted)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class Registry(Generic[T]):
     """A name -> object dict filled by a decorator; refuses duplicates, lists entries in errors."""
 
@@ -32,7 +39,7 @@ class Registry(Generic[T]):
         if name not in self._items:
             hint = difflib.get_close_matches(name, list(self._items), n=1)
             extra = f" Did you mean {hint[0]!r}?" if hint else ""
-            raise KeyError(
+            raise UnknownNameError(
                 f"unknown {self.kind} {name!r}; registered: {sorted(self._items)}.{extra}"
             )
         return self._items[name]

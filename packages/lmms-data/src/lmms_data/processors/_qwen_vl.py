@@ -45,14 +45,18 @@ def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) 
 
 
 def _load_hf(processor: Any) -> tuple[Any, Any]:
-    """(tokenizer, image_processor) from a path or a loaded HF processor."""
+    """(tokenizer, image_processor) from a local folder path or a loaded HF processor.
+
+    From a path, the pillow image backend is preferred: it needs no torchvision, starts faster in
+    workers and gives the same pixels on every machine (torchvision's resize differs slightly).
+    """
     if isinstance(processor, str):
         from transformers import AutoImageProcessor, AutoTokenizer
 
         try:
-            image_processor = AutoImageProcessor.from_pretrained(processor)
-        except (ImportError, ValueError):  # torchvision missing: pillow backend
             image_processor = AutoImageProcessor.from_pretrained(processor, backend="pil")
+        except (TypeError, ValueError, ImportError):  # older transformers: no backend argument
+            image_processor = AutoImageProcessor.from_pretrained(processor)
         return AutoTokenizer.from_pretrained(processor), image_processor
     return processor.tokenizer, processor.image_processor
 
