@@ -7,6 +7,8 @@ the data loader's position. Together they make a resumed run reproduce the unint
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,17 @@ class RunCheckpointer:
             "world_size": env.world_size,
             "dp_size": env.dp_size,
         }
-        return self.ckpt.save(step, model=model, optimizer=optimizer, extra_state=extra)
+        with self._quiet(env):
+            return self.ckpt.save(step, model=model, optimizer=optimizer, extra_state=extra)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _quiet(env: DistEnv):
+        """DCP warns that it runs without a process group: expected on one process."""
+        with warnings.catch_warnings():
+            if not env.distributed:
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
 
     def load(
         self,
@@ -79,7 +91,8 @@ class RunCheckpointer:
         env: DistEnv,
     ) -> None:
         try:
-            extra = self.ckpt.load(path, model=model, optimizer=optimizer)
+            with self._quiet(env):
+                extra = self.ckpt.load(path, model=model, optimizer=optimizer)
         except (FileNotFoundError, RuntimeError) as exc:
             raise UserError(f"could not resume from {path}: {exc}") from exc
         scheduler.load_state_dict(extra["scheduler"])

@@ -86,7 +86,12 @@ def model_config_dict(
     the user's keys (which win)."""
     lfc = cfg.model_config.load_from_config
     assert lfc is not None
-    conf = spec.tiny_config() if lfc.tiny else {}
+    if lfc.tiny and lfc.preset:
+        raise ConfigError("model_config.load_from_config: set tiny or preset, not both")
+    try:
+        conf = spec.tiny_config() if lfc.tiny else spec.preset(lfc.preset) if lfc.preset else {}
+    except KeyError as exc:
+        raise ConfigError(f"model_config.load_from_config.preset: {exc.args[0]}") from None
     for key, value in (token_ids or {}).items():
         relevant = (key == "vocab_size" or key.endswith("_token_id")) and isinstance(value, int)
         if (

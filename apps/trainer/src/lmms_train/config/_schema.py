@@ -37,6 +37,10 @@ class LoadFromConfig:
         False,
         "Start from the family's tiny test config (`spec.tiny_config()`) and apply `config` on top.",
     )
+    preset: str | None = _f(
+        None,
+        "Start from a real-size preset of the family (e.g. `3b`; random weights, for benchmarks).",
+    )
     config: dict[str, Any] = _f(
         {}, "HF config keys (nested dicts merge recursively), e.g. `{hidden_size: 64}`."
     )
@@ -63,9 +67,8 @@ class ModelConfig:
     build_local_processor: bool = _f(
         False,
         "If `processor_path` does not exist, build a small tokenizer/processor there locally "
-        "(trained on the dataset text; no download). For demos and tests.",
+        "(a byte-level BPE trained on a fixed corpus; no download). For demos and tests.",
     )
-    trust_remote_code: bool = _f(False, "Allow remote model code from a checkpoint folder.")
 
 
 @dataclass(kw_only=True, slots=True)
