@@ -113,9 +113,10 @@ def set_attention(model) -> None:
     """Text decoder through the test attention; the vision tower keeps SDPA."""
     cfg = model.config
     text = getattr(cfg, "text_config", None)
-    (text if text is not None else cfg)._attn_implementation = ATTN
+    cfg._attn_implementation = ATTN
     if text is not None:
-        cfg._attn_implementation = ATTN
+        text._attn_implementation = ATTN
+        cfg.vision_config._attn_implementation = "sdpa"
 
 
 def build(kind: str, device: str = "cpu", seed: int = 0):

@@ -51,7 +51,7 @@ def build_parallel(
     return model, mesh
 
 
-def train(model, mesh, kind, rows_per_step, opt, *, steps, start=0, vision_dummy=False):
+def train(model, mesh, kind, rows_per_step, opt, *, steps, start=0):
     """Each data-parallel rank takes its contiguous share of every step's rows."""
     sp = mesh["sp"].size()
     group = lp.sp_group(mesh) if sp > 1 else None
@@ -64,14 +64,7 @@ def train(model, mesh, kind, rows_per_step, opt, *, steps, start=0, vision_dummy
         mine = rows[dp_rank * k : (dp_rank + 1) * k]
         sums, count = [], torch.tensor(0)
         for row in mine:
-            extra = None
-            if vision_dummy:
-                extra = lp.ensure_vision_participation(
-                    model.model.visual, dummy_vision, has_media="pixel_values" in row
-                )
             s, n = T.row_loss(model, row, group)
-            if extra is not None:
-                s = s + extra
             sums.append(s)
             count = count + n
         if group is not None and dp_size == 1:
@@ -247,7 +240,11 @@ def s2_vision_participation_export(out: Path):
         for s in range(3)
     ]
     model, mesh = build_parallel("vl", lp.ParallelDims(dp_shard=2))
-    losses = train(model, mesh, "vl", rows, adamw(model), steps=3, vision_dummy=True)
+    vp = lp.VisionParticipation(
+        model.model.language_model, model.model.visual, dummy_vision
+    ).install()
+    losses = train(model, mesh, "vl", rows, adamw(model), steps=3)
+    vp.remove()
     lp.export_hf(model, out / "hf_vl")
     result = {"losses": losses, "has_pixels": ["pixel_values" in r for r in rows[0]]}
     if dist.get_rank() == 0:

@@ -11,9 +11,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import _tiny as T  # noqa: E402
+import _tiny as T
 
-import lmms_parallel as lp  # noqa: E402
+import lmms_parallel as lp
 
 
 def test_parallel_dims_resolve_and_errors():
@@ -101,7 +101,12 @@ def test_checkpointer_atomic_keep_last_and_resume(tmp_path):
     for step in (1, 2, 3):
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-        ckpt.save(step, model=model, optimizer=opt, extra_state={"step": step, "rng": torch.get_rng_state()})
+        ckpt.save(
+            step,
+            model=model,
+            optimizer=opt,
+            extra_state={"step": step, "rng": torch.get_rng_state()},
+        )
     assert ckpt.steps() == [2, 3]
     assert ckpt.latest().name == "step_000003"
     (tmp_path / "step_000004.tmp").mkdir()  # a crash mid-save
@@ -135,9 +140,14 @@ def test_export_hf_single_process(tmp_path):
 
 def test_ensure_vision_participation():
     tower = nn.Linear(4, 2)
-    assert lp.ensure_vision_participation(tower, lambda: {"input": torch.ones(1, 4)}, has_media=True) is None
+    assert (
+        lp.ensure_vision_participation(tower, lambda: {"input": torch.ones(1, 4)}, has_media=True)
+        is None
+    )
     assert lp.ensure_vision_participation(None, dict, has_media=False) is None
-    extra = lp.ensure_vision_participation(tower, lambda: {"input": torch.ones(1, 4)}, has_media=False)
+    extra = lp.ensure_vision_participation(
+        tower, lambda: {"input": torch.ones(1, 4)}, has_media=False
+    )
     assert float(extra) == 0.0
     extra.backward()
     assert tower.weight.grad is not None and float(tower.weight.grad.abs().sum()) == 0.0

@@ -19,7 +19,7 @@ from lmms_parallel._ulysses import (
     sp_reduce_loss,
     sp_shard_labels,
 )
-from lmms_parallel._vision import ensure_vision_participation
+from lmms_parallel._vision import VisionParticipation, ensure_vision_participation
 
 __all__ = [
     "ACHandle",
@@ -27,6 +27,7 @@ __all__ = [
     "ParallelDims",
     "SequenceParallel",
     "UlyssesAttention",
+    "VisionParticipation",
     "all_to_all_heads_to_seq",
     "all_to_all_seq_to_heads",
     "apply_activation_checkpointing",

@@ -6,8 +6,8 @@ forever. :func:`ensure_vision_participation` runs the tower on a tiny dummy inpu
 and returns ``0 * output.sum()``: adding it to the loss makes backward's reduce-scatters run too,
 with zero gradient, so the update is unchanged. Cost: one forward+backward of a few patches.
 
-Call it *before* the model forward (peers run the tower first, inside the model, and collective
-order must match), and only when the batch has no media.
+Collective order must match the peers, which run the tower inside the model forward after the
+embedding lookup: prefer :class:`VisionParticipation`, which calls this at exactly that point.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ensure_vision_participation"]
+__all__ = ["VisionParticipation", "ensure_vision_participation"]
 
 
 def _first_tensor(out: Any) -> torch.Tensor:
@@ -60,3 +60,58 @@ def ensure_vision_participation(
         return None
     out = _first_tensor(vision_tower(**dummy_inputs()))
     return out.sum() * 0.0
+
+
+class VisionParticipation:
+    """Automatic form of :func:`ensure_vision_participation`, with the collective order right.
+
+    Hooks the vision tower (records that it ran) and the text decoder (``spec.sp_slice_module``):
+    when the decoder starts and the tower has not run in this forward (no media on this rank),
+    the tower runs on ``dummy_inputs()`` and ``0 * output.sum()`` is added to the decoder's
+    ``inputs_embeds``. That is exactly where the peers with media run the tower (after the
+    embedding lookup, before the decoder layers), so FSDP's all-gathers and, in backward, its
+    reduce-scatters happen in the same order on every rank; values and gradients are unchanged.
+    Nothing to add to the loss. Install before :class:`SequenceParallel` on the same module.
+    """
+
+    def __init__(
+        self,
+        decoder: nn.Module,
+        vision_tower: nn.Module,
+        dummy_inputs: Callable[[], dict[str, Any]],
+    ) -> None:
+        self.decoder, self.tower, self.dummy_inputs = decoder, vision_tower, dummy_inputs
+        self._ran = False
+        self._handles: list[Any] = []
+
+    def install(self) -> VisionParticipation:
+        if self._handles:
+            raise RuntimeError("VisionParticipation is already installed")
+        self._handles = [
+            self.tower.register_forward_hook(self._tower_ran),
+            self.decoder.register_forward_pre_hook(self._before_decoder, with_kwargs=True),
+        ]
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _tower_ran(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._ran = True
+
+    def _before_decoder(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ran, self._ran = self._ran, False
+        if ran:
+            return args, kwargs
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None:
+            raise ValueError(
+                "VisionParticipation needs the decoder to be called with inputs_embeds "
+                "(the multimodal model's merge output)"
+            )
+        zero = ensure_vision_participation(self.tower, self.dummy_inputs, has_media=False)
+        self._ran = False  # the dummy call itself set it
+        kwargs["inputs_embeds"] = embeds + zero.to(embeds.dtype)
+        return args, kwargs
