@@ -207,8 +207,21 @@ def _unwrap(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+# Head dims FA4 (4.0.0b36, sm90) computes correctly in forward and backward. Measured on the H200
+# (2026-12-02): head dim 80 (Qwen2.5-VL's vision tower) gave a wrong dq. Other dims are zero-padded
+# up to the next of these: zeros in q/k leave every dot product unchanged, zeros in v give output
+# columns that are sliced off, and the pads' gradients are dropped by the slice.
+_FA4_HEAD_DIMS = (64, 128)
+
+
 def _fa4(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     fn = _fa4_fn()
+    d, dv = q.shape[-1], v.shape[-1]
+    padded = next((s for s in _FA4_HEAD_DIMS if s >= max(d, dv)), None)
+    if padded is not None and (d != padded or dv != padded):
+        scale = d**-0.5 if scale is None else scale
+        q, k = F.pad(q, (0, padded - d)), F.pad(k, (0, padded - d))
+        v = F.pad(v, (0, padded - dv))
     out = fn(
         q,
         k,
@@ -220,7 +233,7 @@ def _fa4(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         softmax_scale=scale,
         causal=causal,
     )
-    return _unwrap(out)
+    return _unwrap(out)[..., :dv]
 
 
 def _fa(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
