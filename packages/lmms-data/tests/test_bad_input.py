@@ -48,7 +48,7 @@ BAD = {  # reason -> JSONL line
                 {"from": "gpt", "value": "Same."},
             ],
         }
-    ),  # fmt: skip
+    ),
     "too_long": json.dumps(_msgs([{"type": "text", "text": "red " * 400}])),
 }
 
@@ -107,7 +107,7 @@ def test_raise_names_reason_and_location(bad_dir, proc25, reason):
 
 def test_ratio_aborts_with_summary(bad_dir, proc25):
     s = _stream(bad_dir, proc25, max_bad_record_ratio=0.2, min_records_for_ratio=5)
-    with pytest.raises(BadRecordRatioExceeded, match="max_bad_record_ratio=0.2.*records bad"):
+    with pytest.raises(BadRecordRatioExceeded, match=r"max_bad_record_ratio=0\.2.*records bad"):
         list(s)
 
 

@@ -49,7 +49,7 @@ class DatasetConfig:
     video_fps: float = 2.0
     video_max_frames: int = 32
     prefetch_factor: int = 2
-    extra: dict[str, Any] = field(default_factory=dict)  # passed to custom adapters/processors
+    extra: dict[str, Any] = field(default_factory=dict)  # processor options, e.g. tokens_per_second
 
     def __post_init__(self) -> None:
         if self.bad_record_policy not in BAD_RECORD_POLICIES:

@@ -40,6 +40,7 @@ def build_processor(
         min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, video_min_pixels=cfg.video_min_pixels,
         video_max_pixels=cfg.video_max_pixels, video_fps=cfg.video_fps, video_max_frames=cfg.video_max_frames,
     )  # fmt: skip
+    opts.update(cfg.extra)
     opts.update(kwargs)
     return PROCESSOR_REGISTRY.get(family)(processor, **opts)
 
@@ -109,6 +110,10 @@ class PackedLoader:
         self.W = max(1, self.num_workers)
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.n_slots = dp_world * self.W
+        if processor is None:
+            if not cfg.processor_path:
+                raise ValueError("no processor given and dataset_config.processor_path is not set")
+            processor = cfg.processor_path
         if _is_hf_processor(processor):
             processor = build_processor(
                 cfg.processor_family,
@@ -185,7 +190,8 @@ def build_dataloader(
 ) -> PackedLoader:
     """The trainer's entry point: packed batches for ``dp_rank`` with ``state_dict()`` resume.
 
-    ``processor`` is a registered lmms processor, an HF processor, or a local folder path.
+    ``processor`` is an lmms processor (any ``callable(messages) -> sample``), an HF processor, or
+    a local folder path; ``None`` uses ``processor_path`` from the config.
     """
     cfg = (
         DatasetConfig.from_dict(dataset_config)
