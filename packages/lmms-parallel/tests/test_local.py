@@ -151,3 +151,23 @@ def test_ensure_vision_participation():
     assert float(extra) == 0.0
     extra.backward()
     assert tower.weight.grad is not None and float(tower.weight.grad.abs().sum()) == 0.0
+
+
+def test_vision_participation_runs_tower_only_without_media():
+    T.register_attention()
+    model = T.build("vl")
+    calls = []
+    model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+    text_row, image_row = T.make_row("vl", 5, images=False), T.make_row("vl", 6)
+    before = [float(T.row_loss(model, r)[0].detach()) for r in (text_row, image_row)]
+    calls.clear()
+    vp = lp.VisionParticipation(model.model.language_model, model.model.visual, lambda: {
+        "hidden_states": torch.zeros(4, 24), "grid_thw": torch.tensor([[1, 2, 2]])}).install()  # fmt: skip
+    s, _ = T.row_loss(model, text_row)
+    assert len(calls) == 1  # the dummy
+    s.backward()
+    assert float(model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum()) == 0.0
+    s2, _ = T.row_loss(model, image_row)
+    assert len(calls) == 2  # the real images only, no dummy
+    assert [float(s.detach()), float(s2.detach())] == before
+    vp.remove()
