@@ -1,0 +1,216 @@
+"""lmms-optim on one GPU: Newton–Schulz per shape and a whole-model Muon step, with verdicts.
+
+Baselines measured in the same run: the published torch NS5 per matrix
+(``lmms_optim.newton_schulz_reference``), a per-matrix torch-reference Muon step, and a fused
+torch AdamW step. Shapes come from ``--shapes``; the model is a Qwen2.5-VL-3B-shaped parameter
+set (LM + vision tower) built from its config numbers (no weights needed).
+
+    python benchmarks/optim/bench_muon.py [--write] [--shapes 896x896,...]
+
+Prints a table and a PASS/FAIL verdict per target; JSON goes to $OUT/bench_muon.json if OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness
+
+import lmms_optim as lo
+from lmms_optim._ns import _prepare
+from lmms_optim._triton_ns import ns_triton
+
+DEFAULT_SHAPES = "896x896,896x4864,2048x11008,4096x4096,4096x14336,8192x28672"
+JORDAN5 = lo.COEFFICIENT_SCHEDULES["jordan"].for_steps(5)
+
+
+def cuda_time(fn, iters: int, warmup: int = 2) -> float:
+    """Median seconds per call, CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def qwen25_vl_3b_params() -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of Qwen2.5-VL-3B (tied embeddings): LM, vision tower, merger."""
+    shapes: dict[str, tuple[int, ...]] = {"embed": (151936, 2048), "lm_norm": (2048,)}
+    h, inter, kv = 2048, 11008, 256
+    for i in range(36):
+        p = f"lm.{i}."
+        shapes |= {p + "q": (h, h), p + "k": (kv, h), p + "v": (kv, h), p + "o": (h, h),
+                   p + "q_b": (h,), p + "k_b": (kv,), p + "v_b": (kv,),
+                   p + "gate": (inter, h), p + "up": (inter, h), p + "down": (h, inter),
+                   p + "ln1": (h,), p + "ln2": (h,)}  # fmt: skip
+    vh, vi = 1280, 3420
+    shapes["patch_embed"] = (vh, 3, 2, 14, 14)
+    for i in range(32):
+        p = f"vis.{i}."
+        shapes |= {p + "qkv": (3 * vh, vh), p + "qkv_b": (3 * vh,), p + "proj": (vh, vh),
+                   p + "proj_b": (vh,), p + "gate": (vi, vh), p + "up": (vi, vh),
+                   p + "down": (vh, vi), p + "gate_b": (vi,), p + "up_b": (vi,),
+                   p + "down_b": (vh,), p + "n1": (vh,), p + "n2": (vh,)}  # fmt: skip
+    shapes |= {"merger.ln": (vh,), "merger.fc1": (4 * vh, 4 * vh), "merger.fc1_b": (4 * vh,),
+               "merger.fc2": (2048, 4 * vh), "merger.fc2_b": (2048,)}  # fmt: skip
+    return shapes
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def bench_one(m: int, n: int, iters: int) -> dict:
+    G = torch.randn(m, n, device="cuda")
+    X, _ = _prepare(G, 1.0, 1e-7)
+    X3 = X.reshape(1, *X.shape)
+    t_ref = cuda_time(lambda: lo.newton_schulz_reference(G), iters)
+    t_lmms = cuda_time(lambda: lo.newton_schulz(G), iters)
+    t_tri = cuda_time(lambda: ns_triton(X3.clone(), JORDAN5, step="triton"), iters)
+    t_bad = cuda_time(lambda: ns_triton(X3.clone(), JORDAN5, step="baddbmm"), iters)
+    t_torch = cuda_time(lambda: lo.newton_schulz(G, backend="torch"), iters)
+    err = rel(lo.newton_schulz(G), lo.newton_schulz_reference(G))
+    flops = 5 * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)  # reference FLOPs
+    return dict(shape=f"{m}x{n}", ref_ms=t_ref * 1e3, lmms_ms=t_lmms * 1e3,
+                triton_step_ms=t_tri * 1e3, baddbmm_step_ms=t_bad * 1e3,
+                torch_backend_ms=t_torch * 1e3, speedup=t_ref / t_lmms,
+                ref_tflops=flops / t_ref / 1e12, rel_err=err)  # fmt: skip
+
+
+def bench_shapes(shapes, iters):
+    rows, out = [], []
+    for m, n in shapes:
+        r = bench_one(m, n, iters)
+        torch.cuda.empty_cache()
+        out.append(r)
+        rows.append([r["shape"], f"{r['ref_ms']:.2f}", f"{r['lmms_ms']:.2f}",
+                     f"{r['triton_step_ms']:.2f}", f"{r['baddbmm_step_ms']:.2f}",
+                     f"{r['torch_backend_ms']:.2f}", f"{r['speedup']:.2f}x",
+                     f"{r['ref_tflops']:.0f}", f"{r['rel_err']:.3f}"])  # fmt: skip
+    return rows, out
+
+
+def reference_muon_step(mats, grads, bufs, lr, wd, mom=0.95):
+    """Per-matrix torch-reference Muon (published algorithm, adjust_lr='rms')."""
+    for p, g, b in zip(mats, grads, bufs):
+        b.lerp_(g, 1 - mom)
+        u = g.lerp(b, mom)
+        o = lo.newton_schulz_reference(u.view(u.size(0), -1))
+        p.mul_(1 - lr * wd)
+        p.add_(o.view(p.shape), alpha=-lr * lo.lr_scale("rms", p.shape))
+
+
+def bench_model(iters):
+    torch.manual_seed(0)
+    shapes = qwen25_vl_3b_params()
+    mk = lambda s: torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02)  # noqa: E731
+    params = {k: mk(s) for k, s in shapes.items()}
+    for p in params.values():
+        p.grad = torch.randn_like(p) * 1e-3
+    is_mat = lambda k, p: p.ndim == 2 and k != "embed"  # noqa: E731
+    mats = [p for k, p in params.items() if is_mat(k, p)]
+    rest = [p for k, p in params.items() if not is_mat(k, p)]
+    n_params = sum(p.numel() for p in params.values())
+    groups = [{"params": mats, "use_muon": True}, {"params": rest, "use_muon": False}]
+    lr, wd = 1e-3, 0.1
+    opt = lo.Muon(groups, lr=lr, weight_decay=wd, adjust_lr="rms", adamw_weight_decay=wd)
+    ref_mats = [p.detach().clone() for p in mats]
+    ref_grads = [p.grad for p in mats]
+    ref_bufs = [torch.zeros_like(p) for p in mats]
+    adamw = torch.optim.AdamW(rest, lr=lr, weight_decay=wd, fused=True)
+    adamw_all = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=wd, fused=True)
+
+    # parity: one step from identical states
+    before = [p.detach().clone() for p in mats]
+    opt.step()
+    reference_muon_step(ref_mats, ref_grads, ref_bufs, lr, wd)
+    errs = [rel(p.detach() - b, r - b) for p, r, b in zip(mats, ref_mats, before)]
+    del before
+    worst = max(errs)
+    torch.cuda.synchronize()
+
+    t_lmms = cuda_time(opt.step, iters, warmup=1)
+    t_ref_mats = cuda_time(
+        lambda: reference_muon_step(ref_mats, ref_grads, ref_bufs, lr, wd), iters, warmup=1
+    )
+    t_adamw_rest = cuda_time(adamw.step, iters, warmup=1)
+    t_adamw_all = cuda_time(adamw_all.step, iters, warmup=1)
+    t_ref = t_ref_mats + t_adamw_rest
+    return dict(
+        n_params=n_params, n_matrices=len(mats), lmms_ms=t_lmms * 1e3, ref_ms=t_ref * 1e3,
+        ref_matrix_part_ms=t_ref_mats * 1e3, adamw_rest_ms=t_adamw_rest * 1e3,
+        fused_adamw_all_ms=t_adamw_all * 1e3, speedup=t_ref / t_lmms, worst_rel_err=worst,
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+    )  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--write", action="store_true", help="write the section of RESULTS.md")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 2
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows, shape_res = bench_shapes(shapes, args.iters)
+    model = bench_model(max(3, args.iters // 2))
+    verdicts = []
+    big = [r for r in shape_res if min(map(int, r["shape"].split("x"))) >= 4096]
+    for r in big:
+        verdicts.append((f"NS {r['shape']} >= 1.3x reference", r["speedup"] >= 1.3))
+    verdicts.append(("whole-model Muon step >= 2x per-matrix reference", model["speedup"] >= 2.0))
+    verdicts.append(
+        ("whole-model updates within bf16 tolerance (rel < 0.06)", model["worst_rel_err"] < 0.06)
+    )
+    verdicts.append(
+        (
+            "NS outputs within bf16 tolerance (rel < 0.06)",
+            all(r["rel_err"] < 0.06 for r in shape_res),
+        )
+    )
+
+    t1 = harness.markdown_table(
+        ["shape", "torch ref NS5 ms", "lmms ms", "triton step ms", "cuBLAS step ms",
+         "torch backend ms", "speedup", "ref TFLOP/s", "rel err"], rows)  # fmt: skip
+    m = model
+    t2 = harness.markdown_table(
+        ["step (Qwen2.5-VL-3B shapes)", "ms", "vs reference"],
+        [["per-matrix torch-reference Muon + fused AdamW (rest)", f"{m['ref_ms']:.1f}", "1.00x"],
+         ["lmms_optim.Muon (batched Triton NS + AdamW side)", f"{m['lmms_ms']:.1f}", f"{m['speedup']:.2f}x"],
+         ["fused torch AdamW, all params", f"{m['fused_adamw_all_ms']:.1f}", f"{m['ref_ms'] / m['fused_adamw_all_ms']:.2f}x"]],
+    )  # fmt: skip
+    t3 = harness.markdown_table(
+        ["target", "verdict"], [[v, "PASS" if ok else "FAIL"] for v, ok in verdicts]
+    )
+    notes = (f"{m['n_params'] / 1e9:.2f}B params, {m['n_matrices']} Muon matrices; worst per-matrix "
+             f"update rel. error vs reference {m['worst_rel_err']:.3f}; peak {m['peak_gib']:.0f} GiB. "
+             "lmms = default backend (Triton symmetric Gram kernels + cuBLAS fused step).")  # fmt: skip
+    body = f"{t1}\n\n{t2}\n\n{notes}\n\n{t3}\n"
+    if args.write:
+        harness.write_section("lmms-optim: Newton-Schulz and Muon step (benchmarks/optim/bench_muon.py)",
+                              body, command="python benchmarks/optim/bench_muon.py --write")  # fmt: skip
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_muon.json").write_text(
+            json.dumps({"shapes": shape_res, "model": model, "verdicts": verdicts, "env": harness.environment()}, indent=1))  # fmt: skip
+    print(body)
+    return 0 if all(ok for _, ok in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
