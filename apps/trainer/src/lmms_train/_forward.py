@@ -11,7 +11,8 @@ Wraps the model spec's packed forward with three run-time concerns the spec does
   (`lmms_parallel.SequenceParallel`), the labels are sliced to match and the loss sums are
   summed over the SP group (`sp_reduce_loss`, identity backward).
 - **Vision participation.** Under FSDP a rank whose pack has no image still runs the (sharded)
-  vision tower on a dummy image so that its collectives stay in step with its peers.
+  vision tower on a dummy image, where its peers run theirs (`lmms_parallel.VisionParticipation`),
+  so that its collectives stay in step.
 """
 
 from __future__ import annotations
@@ -104,6 +105,12 @@ def _dummy_vision_inputs(
 def make_forward(spec: Any, model: nn.Module, env: DistEnv) -> Forward:
     """The forward for this run's layout (plain, FSDP, SP)."""
     group = None
+    tower = spec.vision_tower(model) if env.distributed else None
+    if tower is not None:  # before SequenceParallel on the same module (lmms_parallel's order)
+        from lmms_parallel import VisionParticipation
+
+        dummy = _dummy_vision_inputs(spec, model, env.device)
+        VisionParticipation(spec.sp_slice_module(model), tower, dummy).install()
     if env.sp > 1:
         from lmms_parallel import SequenceParallel, sp_group
 

@@ -117,7 +117,6 @@ def train_loop(run: Run) -> dict[str, Any]:
     flops_fn = _flops_fn(run)
     previous = _install_sigterm(run)
     last: dict[str, Any] = {}
-    last_saved = run.state.step
     data_iter = iter(run.data)
     run.model.train()
     try:
@@ -194,7 +193,6 @@ def train_loop(run: Run) -> dict[str, Any]:
             final = step == t.max_steps and t.save_final
             if periodic or final or stop:
                 _save(run)
-                last_saved = step
             if stop:
                 if env.is_main:
                     print(
@@ -206,7 +204,6 @@ def train_loop(run: Run) -> dict[str, Any]:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    del last_saved
     return last
 
 

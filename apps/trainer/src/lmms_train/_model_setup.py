@@ -175,8 +175,7 @@ def build_model(
         from lmms_parallel import UlyssesAttention, sp_group
 
         wrapper = UlyssesAttention(sp_group(env.mesh))
-        spec.set_attention(model, backend=attn, wrapper=wrapper)
-        handles.append(_install_sp(model, spec, env))
+        spec.set_attention(model, backend=attn, wrapper=wrapper)  # inputs are sliced in _forward
     if t.activation_checkpointing != "none":
         from lmms_parallel import apply_activation_checkpointing
 
@@ -209,13 +208,3 @@ def _apply_liger(model: nn.Module, spec: Any, env: DistEnv) -> Any:
     except ImportError as exc:
         raise UserError(f"use_liger_kernel: lmms_kernels.apply_liger unavailable: {exc}") from exc
     return apply_liger(model, spec.name)
-
-
-def _install_sp(model: nn.Module, spec: Any, env: DistEnv) -> Any:
-    """Slice the text decoder's inputs over the SP group (lmms_parallel's hook)."""
-    import lmms_parallel
-
-    install = getattr(lmms_parallel, "install_sp", None) or getattr(lmms_parallel, "apply_sp", None)
-    if install is None:
-        raise NotImplementedError("lmms_parallel exposes no sequence-parallel slicing hook yet")
-    return install(model, spec, env.mesh)
