@@ -29,10 +29,14 @@ from lmms_optim._triton_ns import ns_triton
 
 DEFAULT_SHAPES = "896x896,896x4864,2048x11008,4096x4096,4096x14336,8192x28672"
 JORDAN5 = lo.COEFFICIENT_SCHEDULES["jordan"].for_steps(5)
+DEVICE = "cuda"
+SCALE = 1  # --smoke divides every model dimension by this (CPU dry run of the script itself)
 
 
 def cuda_time(fn, iters: int, warmup: int = 2) -> float:
     """Median seconds per call, CUDA events."""
+    if DEVICE == "cpu":
+        return harness.timeit(fn, repeat=iters, warmup=warmup).wall_median
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -49,15 +53,16 @@ def cuda_time(fn, iters: int, warmup: int = 2) -> float:
 
 def qwen25_vl_3b_params() -> dict[str, tuple[int, ...]]:
     """Parameter shapes of Qwen2.5-VL-3B (tied embeddings): LM, vision tower, merger."""
-    shapes: dict[str, tuple[int, ...]] = {"embed": (151936, 2048), "lm_norm": (2048,)}
-    h, inter, kv = 2048, 11008, 256
+    d = lambda v: max(2, v // SCALE)  # noqa: E731
+    shapes: dict[str, tuple[int, ...]] = {"embed": (d(151936), d(2048)), "lm_norm": (d(2048),)}
+    h, inter, kv = d(2048), d(11008), d(256)
     for i in range(36):
         p = f"lm.{i}."
         shapes |= {p + "q": (h, h), p + "k": (kv, h), p + "v": (kv, h), p + "o": (h, h),
                    p + "q_b": (h,), p + "k_b": (kv,), p + "v_b": (kv,),
                    p + "gate": (inter, h), p + "up": (inter, h), p + "down": (h, inter),
                    p + "ln1": (h,), p + "ln2": (h,)}  # fmt: skip
-    vh, vi = 1280, 3420
+    vh, vi = d(1280), d(3420)
     shapes["patch_embed"] = (vh, 3, 2, 14, 14)
     for i in range(32):
         p = f"vis.{i}."
@@ -66,7 +71,7 @@ def qwen25_vl_3b_params() -> dict[str, tuple[int, ...]]:
                    p + "down": (vh, vi), p + "gate_b": (vi,), p + "up_b": (vi,),
                    p + "down_b": (vh,), p + "n1": (vh,), p + "n2": (vh,)}  # fmt: skip
     shapes |= {"merger.ln": (vh,), "merger.fc1": (4 * vh, 4 * vh), "merger.fc1_b": (4 * vh,),
-               "merger.fc2": (2048, 4 * vh), "merger.fc2_b": (2048,)}  # fmt: skip
+               "merger.fc2": (h, 4 * vh), "merger.fc2_b": (h,)}  # fmt: skip
     return shapes
 
 
@@ -75,13 +80,15 @@ def rel(a, b) -> float:
 
 
 def bench_one(m: int, n: int, iters: int) -> dict:
-    G = torch.randn(m, n, device="cuda")
+    G = torch.randn(m, n, device=DEVICE)
     X, _ = _prepare(G, 1.0, 1e-7)
     X3 = X.reshape(1, *X.shape)
     t_ref = cuda_time(lambda: lo.newton_schulz_reference(G), iters)
     t_lmms = cuda_time(lambda: lo.newton_schulz(G), iters)
-    t_tri = cuda_time(lambda: ns_triton(X3.clone(), JORDAN5, step="triton"), iters)
-    t_bad = cuda_time(lambda: ns_triton(X3.clone(), JORDAN5, step="baddbmm"), iters)
+    t_tri = t_bad = float("nan")  # the Triton-only variants need the GPU
+    if DEVICE == "cuda":
+        t_tri = cuda_time(lambda: ns_triton(X3.clone(), JORDAN5, step="triton"), iters)
+        t_bad = cuda_time(lambda: ns_triton(X3.clone(), JORDAN5, step="baddbmm"), iters)
     t_torch = cuda_time(lambda: lo.newton_schulz(G, backend="torch"), iters)
     err = rel(lo.newton_schulz(G), lo.newton_schulz_reference(G))
     flops = 5 * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)  # reference FLOPs
@@ -117,7 +124,7 @@ def reference_muon_step(mats, grads, bufs, lr, wd, mom=0.95):
 def bench_model(iters):
     torch.manual_seed(0)
     shapes = qwen25_vl_3b_params()
-    mk = lambda s: torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02)  # noqa: E731
+    mk = lambda s: torch.nn.Parameter(torch.randn(s, device=DEVICE) * 0.02)  # noqa: E731
     params = {k: mk(s) for k, s in shapes.items()}
     for p in params.values():
         p.grad = torch.randn_like(p) * 1e-3
@@ -131,8 +138,9 @@ def bench_model(iters):
     ref_mats = [p.detach().clone() for p in mats]
     ref_grads = [p.grad for p in mats]
     ref_bufs = [torch.zeros_like(p) for p in mats]
-    adamw = torch.optim.AdamW(rest, lr=lr, weight_decay=wd, fused=True)
-    adamw_all = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=wd, fused=True)
+    fused = DEVICE == "cuda"
+    adamw = torch.optim.AdamW(rest, lr=lr, weight_decay=wd, fused=fused)
+    adamw_all = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=wd, fused=fused)
 
     # parity: one step from identical states
     before = [p.detach().clone() for p in mats]
@@ -141,8 +149,6 @@ def bench_model(iters):
     errs = [rel(p.detach() - b, r - b) for p, r, b in zip(mats, ref_mats, before)]
     del before
     worst = max(errs)
-    torch.cuda.synchronize()
-
     t_lmms = cuda_time(opt.step, iters, warmup=1)
     t_ref_mats = cuda_time(
         lambda: reference_muon_step(ref_mats, ref_grads, ref_bufs, lr, wd), iters, warmup=1
@@ -154,7 +160,7 @@ def bench_model(iters):
         n_params=n_params, n_matrices=len(mats), lmms_ms=t_lmms * 1e3, ref_ms=t_ref * 1e3,
         ref_matrix_part_ms=t_ref_mats * 1e3, adamw_rest_ms=t_adamw_rest * 1e3,
         fused_adamw_all_ms=t_adamw_all * 1e3, speedup=t_ref / t_lmms, worst_rel_err=worst,
-        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if fused else 0.0,
     )  # fmt: skip
 
 
@@ -163,15 +169,20 @@ def main() -> int:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--write", action="store_true", help="write the section of RESULTS.md")
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run at 1/32 size")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.smoke:
+        global DEVICE, SCALE
+        DEVICE, SCALE, args.iters = "cpu", 32, 2
+        args.shapes = "28x28,28x152,64x344,128x128"
+    elif not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows, shape_res = bench_shapes(shapes, args.iters)
     model = bench_model(max(3, args.iters // 2))
     verdicts = []
-    big = [r for r in shape_res if min(map(int, r["shape"].split("x"))) >= 4096]
+    big = [r for r in shape_res if min(map(int, r["shape"].split("x"))) >= 4096 // SCALE]
     for r in big:
         verdicts.append((f"NS {r['shape']} >= 1.3x reference", r["speedup"] >= 1.3))
     verdicts.append(("whole-model Muon step >= 2x per-matrix reference", model["speedup"] >= 2.0))
@@ -202,7 +213,7 @@ def main() -> int:
              f"update rel. error vs reference {m['worst_rel_err']:.3f}; peak {m['peak_gib']:.0f} GiB. "
              "lmms = default backend (Triton symmetric Gram kernels + cuBLAS fused step).")  # fmt: skip
     body = f"{t1}\n\n{t2}\n\n{notes}\n\n{t3}\n"
-    if args.write:
+    if args.write and not args.smoke:
         harness.write_section("lmms-optim: Newton-Schulz and Muon step (benchmarks/optim/bench_muon.py)",
                               body, command="python benchmarks/optim/bench_muon.py --write")  # fmt: skip
     if os.environ.get("OUT"):
