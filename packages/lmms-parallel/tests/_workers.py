@@ -128,7 +128,7 @@ def s4_fsdp_qwen3_ckpt(out: Path):
     opt = adamw(model)
     ckpt = lp.Checkpointer(out / "ckpt4", keep_last=2)
     losses = train(model, mesh, "qwen3", rows, opt, steps=2)
-    ckpt.save(1, model=model, optimizer=opt, extra_state={"step": 1})
+    ckpt.save(1, model=model, optimizer=opt, extra_state={"step": 2})
     ckpt.save(2, model=model, optimizer=opt, extra_state={"step": 2, "rng": torch.get_rng_state()})
     losses += train(model, mesh, "qwen3", rows, opt, steps=STEPS, start=2)
     ref = T.reference_losses("qwen3", rows) if dist.get_rank() == 0 else None
@@ -201,7 +201,7 @@ def s2_reshard_resume(out: Path):
     train(model, mesh, "qwen3", rows, opt, steps=1)  # make state differ from the checkpoint
     ckpt = lp.Checkpointer(out / "ckpt4")
     extra = ckpt.load(model=model, optimizer=opt)
-    losses = train(model, mesh, "qwen3", rows, opt, steps=STEPS, start=int(extra["step"]) + 1)
+    losses = train(model, mesh, "qwen3", rows, opt, steps=STEPS, start=int(extra["step"]))
     return {
         "losses": losses,
         "step": int(extra["step"]),
@@ -224,12 +224,12 @@ def s2_resume_muon(out: Path):
     opt, name = _muon(model)
     ckpt = lp.Checkpointer(out / "ckpt2", keep_last=1)
     losses = train(model, mesh, "vl", rows, opt, steps=2)
-    ckpt.save(1, model=model, optimizer=opt, extra_state={"step": 1})
+    ckpt.save(2, model=model, optimizer=opt, extra_state={"step": 2})  # "step" = next step
     losses += train(model, mesh, "vl", rows, opt, steps=STEPS, start=2)
     model2, mesh2 = build_parallel("vl", lp.ParallelDims(dp_shard=2))
     opt2, _ = _muon(model2)
     extra = ckpt.load(model=model2, optimizer=opt2)
-    resumed = train(model2, mesh2, "vl", rows, opt2, steps=STEPS, start=int(extra["step"]) + 1)
+    resumed = train(model2, mesh2, "vl", rows, opt2, steps=STEPS, start=int(extra["step"]))
     return {"losses": losses, "resumed": resumed, "optimizer": name}
 
 

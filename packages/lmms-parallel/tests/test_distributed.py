@@ -86,7 +86,7 @@ def test_sp2_matches_sp1(world2):
 def test_4_rank_checkpoint_resumes_on_2_ranks(world4, world2):
     r = world2[0]["reshard_resume"]
     assert r["step"] == 2 and r["rng_ok"]
-    _close(r["losses"], world4[0]["fsdp_qwen3"]["losses"][3:], tol=1e-5)
+    _close(r["losses"], world4[0]["fsdp_qwen3"]["losses"][2:], tol=1e-5)
 
 
 def test_resume_same_world_size_with_optimizer_state(world2):
