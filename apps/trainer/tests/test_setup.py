@@ -1,0 +1,65 @@
+"""Model set-up pieces: config assembly, freezing by hook name / prefix, optimizer groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmms_train._errors import ConfigError
+from lmms_train._forward import call_through_root
+from lmms_train._model_setup import _freeze, deep_merge, model_config_dict
+from lmms_train._optim_setup import build_optimizer, build_schedule
+from lmms_train.config import config_from_dict
+
+
+def _cfg(**trainer):
+    return config_from_dict({
+        "model_config": {"load_from_config": {"model_type": "qwen2_5_vl", "tiny": True,
+                                              "config": {"vision_config": {"patch_size": 14}}}},
+        "dataset_config": {"dataset_path": "x"},
+        "trainer_args": trainer,
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from lmms_models import get_model_spec
+
+    spec = get_model_spec("qwen2_5_vl")
+    conf = model_config_dict(_cfg(), spec, {"vocab_size": 1100, "image_token_id": 7})
+    torch.manual_seed(0)
+    return spec, conf, spec.build(config=conf, attn_backend="sdpa")
+
+
+def test_config_assembly(tiny):
+    _, conf, _ = tiny
+    assert conf["vision_config"]["patch_size"] == 14  # user key over the tiny config
+    assert conf["text_config"]["vocab_size"] == 1100  # grown to fit the tokenizer
+    assert conf["image_token_id"] == 7
+    assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}}
+
+
+def test_freeze_and_optimizers(tiny):
+    spec, _, model = tiny
+    assert _freeze(model, spec, ["vision_tower"]) == ["vision_tower"]
+    assert not any(p.requires_grad for p in spec.vision_tower(model).parameters())
+    with pytest.raises(ConfigError, match="matches no module"):
+        _freeze(model, spec, ["visoin_tower"])
+    t = _cfg(optimizer="muon", learning_rate=1e-3, muon_learning_rate=2e-2).trainer_args
+    opt = build_optimizer(model, spec, t)
+    groups = {g["use_muon"]: g for g in opt.param_groups}
+    assert groups[True]["lr"] == pytest.approx(2e-2) and groups[False]["lr"] == pytest.approx(1e-3)
+    head = spec.lm_head(model).weight
+    assert any(p is head for p in groups[False]["params"])  # head goes to AdamW
+    sched = build_schedule(opt, t)
+    assert sched.get_last_lr()[0] == pytest.approx(2e-2)
+    for p in spec.vision_tower(model).parameters():
+        p.requires_grad_(True)
+
+
+def test_call_through_root_runs_hooks():
+    m = torch.nn.Linear(2, 2)
+    seen = []
+    m.register_forward_pre_hook(lambda mod, args: seen.append("pre"))
+    assert call_through_root(m, lambda: 41 + 1) == 42
+    assert seen == ["pre"] and m(torch.ones(1, 2)).shape == (1, 2)  # forward restored
