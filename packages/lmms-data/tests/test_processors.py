@@ -182,3 +182,14 @@ def test_llava_conversion():
     cols = {"messages": json.dumps([{"role": "user", "content": [{"type": "image"}]},
                                     {"role": "assistant", "content": "x"}]), "images": [b"1"]}  # fmt: skip
     assert normalise(cols)[0]["content"][0] == {"type": "image", "image": b"1"}
+
+
+def test_image_patches_equal_hf_pillow_image_processor(proc25):
+    p = build_processor("qwen2_5_vl", proc25["path"], max_pixels=28 * 28 * 64)
+    for h, w in [(70, 100), (336, 336), (20, 500), (1000, 30)]:  # up, down, extreme aspect
+        img = Image.fromarray(np.random.default_rng(h).integers(0, 255, (h, w, 3), dtype=np.uint8))
+        mine = p.process_images([img])
+        ref = p.image_processor(images=[img], return_tensors="np",
+                                size={"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels})  # fmt: skip
+        assert (mine["image_grid_thw"] == ref["image_grid_thw"]).all()
+        np.testing.assert_allclose(mine["pixel_values"], ref["pixel_values"], atol=1e-5)

@@ -4,11 +4,12 @@ The tokenizer's own chat template renders the conversation; each ``<|image_pad|>
 ``<|video_pad|>`` is then expanded to the exact number of merged vision tokens of its processed
 grid (``t*h*w / merge**2``), so ``length`` is exact, never estimated. Labels are the tokens of
 assistant turns (their text and the closing ``<|im_end|>``), found by character offsets, so the
-rule holds for any tokenizer. Images go through the HF image processor loaded from the folder
-(torchvision or pillow backend, whichever exists). Video frames are decoded with PyAV, sampled at
+rule holds for any tokenizer. Images and video frames are resized and patchified here with the
+parameters of the HF image processor in the folder (tested equal to its pillow backend and its
+video processor; ~3x faster than calling it). Video frames are decoded with PyAV, sampled at
 ``video_fps`` (capped at ``video_max_frames``), resized per frame within the video pixel bounds
-and patchified here in the layout the vision tower expects; this avoids the torchvision-only HF
-video processors at the cost of owning ~30 lines of resize/patch code (tested against them).
+in the layout the vision tower expects; this avoids the torchvision-only HF video processors at
+the cost of owning ~30 lines of resize/patch code.
 """
 
 from __future__ import annotations
@@ -96,25 +97,39 @@ class QwenVLProcessor:
 
     # ---- media -----------------------------------------------------------------------------
     def process_images(self, images: list[Image.Image]) -> dict[str, np.ndarray]:
-        out = self.image_processor(
-            images=images, return_tensors="np",
-            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
-        )  # fmt: skip
+        """Resize within [min_pixels, max_pixels] and patchify each image (a 1-frame video).
+
+        Same pixels as the HF pillow image processor (tested), ~3x faster: float32 throughout and
+        one fused normalisation instead of separate float64 rescale and normalise passes.
+        """
+        pv, grids = [], []
+        for img in images:
+            x, g = self._patchify(np.asarray(img)[None], self.min_pixels, self.max_pixels)
+            pv.append(x)
+            grids.append(g)
         return {
-            "pixel_values": np.asarray(out["pixel_values"], dtype=np.float32),  # [N, C*tp*p*p]
-            "image_grid_thw": np.asarray(out["image_grid_thw"], dtype=np.int64),  # [n, 3]
+            "pixel_values": np.concatenate(pv),  # [N, C*tp*p*p]
+            "image_grid_thw": np.stack(grids),  # [n, 3]
         }
 
     def patchify_video(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """frames [T, H, W, 3] uint8 -> (patches [t*h*w, C*tp*p*p], grid [3])."""
+        return self._patchify(frames, self.video_min_pixels, self.video_max_pixels)
+
+    def _patchify(
+        self, frames: np.ndarray, min_px: int, max_px: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         T, H, W, _ = frames.shape
         f = self.patch * self.merge
-        h, w = smart_resize(H, W, f, self.video_min_pixels, self.video_max_pixels)
+        h, w = smart_resize(H, W, f, min_px, max_px)
         if (h, w) != (H, W):
             frames = np.stack(
                 [np.asarray(Image.fromarray(x).resize((w, h), Image.BICUBIC)) for x in frames]
             )
-        x = (frames.astype(np.float32) / 255.0 - self.mean) / self.std  # [T, h, w, C]
+        scale = (1.0 / (255.0 * self.std)).astype(np.float32)
+        x = frames.astype(np.float32) * scale - (self.mean / self.std).astype(
+            np.float32
+        )  # [T, h, w, C]
         x = x.transpose(0, 3, 1, 2)  # [T, C, h, w]
         if T % self.tp:
             x = np.concatenate([x, np.repeat(x[-1:], self.tp - T % self.tp, axis=0)])
@@ -122,7 +137,8 @@ class QwenVLProcessor:
         m, p, C = self.merge, self.patch, x.shape[1]
         x = x.reshape(gt, self.tp, C, gh // m, m, p, gw // m, m, p)
         x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return x.reshape(gt * gh * gw, C * self.tp * p * p), np.array([gt, gh, gw], dtype=np.int64)
+        patches = np.ascontiguousarray(x).reshape(gt * gh * gw, C * self.tp * p * p)
+        return patches, np.array([gt, gh, gw], dtype=np.int64)
 
     def _video_placeholder(self, grid: np.ndarray, indices: np.ndarray, fps: float) -> str:
         n = int(grid[1] * grid[2]) // self.merge**2
