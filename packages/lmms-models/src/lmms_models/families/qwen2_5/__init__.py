@@ -23,8 +23,18 @@ QWEN2_5_3B = dict(
     use_cache=False,
 )
 
+# Published Qwen2.5-1.5B shape.
+QWEN2_5_1_5B = {
+    **QWEN2_5_3B,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+}
+
 
 @register_model("qwen2_5")
 class Qwen2_5Spec(Qwen2Spec):
     processor_family = "qwen2_5"
-    presets = {"3b": QWEN2_5_3B}  # noqa: RUF012
+    presets = {"1.5b": QWEN2_5_1_5B, "3b": QWEN2_5_3B}  # noqa: RUF012
