@@ -213,9 +213,14 @@ def main() -> int:
              f"update rel. error vs reference {m['worst_rel_err']:.3f}; peak {m['peak_gib']:.0f} GiB. "
              "lmms = default backend (Triton symmetric Gram kernels + cuBLAS fused step).")  # fmt: skip
     body = f"{t1}\n\n{t2}\n\n{notes}\n\n{t3}\n"
+    title = "lmms-optim: Newton-Schulz and Muon step (benchmarks/optim/bench_muon.py)"
+    command = "python benchmarks/optim/bench_muon.py --write"
     if args.write and not args.smoke:
-        harness.write_section("lmms-optim: Newton-Schulz and Muon step (benchmarks/optim/bench_muon.py)",
-                              body, command="python benchmarks/optim/bench_muon.py --write")  # fmt: skip
+        harness.write_section(title, body, command=command)
+    if os.environ.get("OUT"):  # the section alone, for copying into RESULTS.md from a remote run
+        harness.write_section(
+            title, body, command=command, results=Path(os.environ["OUT"], "RESULTS_optim.md")
+        )
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "bench_muon.json").write_text(
             json.dumps({"shapes": shape_res, "model": model, "verdicts": verdicts, "env": harness.environment()}, indent=1))  # fmt: skip
