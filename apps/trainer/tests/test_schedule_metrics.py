@@ -65,3 +65,28 @@ def test_jsonl_truncates_on_resume_and_plot(tmp_path):
     out = plot_run(tmp_path)
     assert out.is_file() and out.stat().st_size > 1000
     assert json.loads(path.read_text().splitlines()[0])["step"] == 1
+
+
+def test_phase_timer_attributes_time_to_the_phase_each_mark_ends():
+    import time
+
+    import torch
+
+    from lmms_train._step import PhaseTimer
+
+    off = PhaseTimer(enabled=False, device=torch.device("cpu"))
+    off.mark("start")
+    off.mark("forward")
+    assert off.read() == {}
+    pt = PhaseTimer(enabled=True, device=torch.device("cpu"))
+    pt.mark("start")
+    time.sleep(0.02)
+    pt.mark("forward")
+    pt.mark("backward")
+    time.sleep(0.01)
+    pt.mark("forward")  # a second micro-batch adds to the same phase
+    times = pt.read()
+    assert set(times) == {"time/forward", "time/backward"}
+    assert times["time/forward"] >= 0.03 - 1e-3
+    assert times["time/backward"] < 0.01
+    assert pt.read() == {}  # read() clears

@@ -17,7 +17,14 @@ from lmms_train._dist import DistEnv
 from lmms_train._flops import mfu
 from lmms_train._metrics import MetricsLogger
 from lmms_train._state import TrainState
-from lmms_train._step import STAT_KEYS, Timer, batch_stats, move_batch, run_micro_batches
+from lmms_train._step import (
+    STAT_KEYS,
+    PhaseTimer,
+    Timer,
+    batch_stats,
+    move_batch,
+    run_micro_batches,
+)
 from lmms_train.config import TrainConfig
 
 __all__ = ["Run", "train_loop"]
@@ -114,6 +121,7 @@ def train_loop(run: Run) -> dict[str, Any]:
     cfg, env, t = run.cfg, run.env, run.cfg.trainer_args
     d = cfg.dataset_config
     timer = Timer(env.device)
+    phases = PhaseTimer(enabled=t.profile_step_breakdown, device=env.device)
     flops_fn = _flops_fn(run)
     previous = _install_sigterm(run)
     last: dict[str, Any] = {}
@@ -132,6 +140,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             )
             per_sp = {k: v / env.sp for k, v in reduced.items()}  # SP ranks share their packs
             global_count = per_sp["loss_tokens"]
+            phases.mark("start")
             loss_local = run_micro_batches(
                 model=run.model,
                 forward=run.forward,
@@ -139,12 +148,14 @@ def train_loop(run: Run) -> dict[str, Any]:
                 device=env.device,
                 scale=1.0 / max(global_count, 1.0),
                 autocast_dtype=run.autocast_dtype,
+                phases=phases,
             )
             grad_norm = _grad_norm(run.model, t.max_grad_norm)
             lr = run.scheduler.get_last_lr()[0]
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
+            phases.mark("optimizer")  # clipping, optimizer step, scheduler
             local_bad = int(run.data.bad_records()) if hasattr(run.data, "bad_records") else 0
             loss_sum, bad = env.all_reduce([float(loss_local), float(local_bad)])
             seq_max, neg_min = env.all_reduce(
@@ -175,6 +186,7 @@ def train_loop(run: Run) -> dict[str, Any]:
                 "data_wait_fraction": reduced["data_wait"] / env.world_size / dt,
                 "peak_memory_gb": _peak_memory_gb(env.device),
                 "bad_records": int(bad / env.sp),
+                **phases.read(),
             }
             step = run.state.step
             if (

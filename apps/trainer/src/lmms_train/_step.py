@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepStats", "batch_stats", "move_batch", "run_micro_batches"]
+__all__ = ["PhaseTimer", "StepStats", "batch_stats", "move_batch", "run_micro_batches"]
 
 # Per-step sums all-reduced in one call (order matters: see `batch_stats`).
 STAT_KEYS = (
@@ -91,8 +91,10 @@ def run_micro_batches(
     device: torch.device,
     scale: float,
     autocast_dtype: torch.dtype | None,
+    phases: PhaseTimer | None = None,
 ) -> torch.Tensor:
     """Forward+backward every micro-batch; returns this rank's summed (unscaled) loss."""
+    phases = phases or PhaseTimer(enabled=False, device=device)
     can_toggle = hasattr(model, "set_requires_gradient_sync")
     total = torch.zeros((), dtype=torch.float64)
     for i, batch in enumerate(batches):
@@ -105,11 +107,45 @@ def run_micro_batches(
             if autocast_dtype is not None
             else contextlib.nullcontext()
         )
+        phases.mark("data")  # host-to-device copy of the batch, counted apart
         with ctx:
             loss_sum, _ = forward(model, batch)
+        phases.mark("forward")
         (loss_sum.float() * scale).backward()
+        phases.mark("backward")
         total += loss_sum.detach().to("cpu", torch.float64)
     return total
+
+
+class PhaseTimer:
+    """Time between marks, attributed to the phase each mark ends (`time/<name>`, summed).
+
+    On CUDA the marks are events, so marking never synchronises; `read()` is called after the
+    step's own synchronisation. On CPU (synchronous) they are wall-clock readings.
+    """
+
+    def __init__(self, *, enabled: bool, device: torch.device) -> None:
+        self.enabled, self.cuda = enabled, device.type == "cuda"
+        self._marks: list[tuple[str, Any]] = []
+
+    def mark(self, name: str) -> None:
+        if not self.enabled:
+            return
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append((name, ev))
+        else:
+            self._marks.append((name, time.perf_counter()))
+
+    def read(self) -> dict[str, float]:
+        """Seconds per phase since the first mark; clears the marks."""
+        out: dict[str, float] = {}
+        for (_, a), (name, b) in zip(self._marks, self._marks[1:]):
+            dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            out[f"time/{name}"] = out.get(f"time/{name}", 0.0) + dt
+        self._marks.clear()
+        return out
 
 
 class Timer:

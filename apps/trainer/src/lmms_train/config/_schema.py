@@ -256,6 +256,11 @@ class TrainerArgs:
     logging_steps: int = _f(
         1, "Print to the console every this many steps (JSONL gets every step)."
     )
+    profile_step_breakdown: bool = _f(
+        False,
+        "Log `time/forward`, `time/backward` and `time/optimizer` per step (CUDA events, read "
+        "after the step's own synchronisation: no extra host sync).",
+    )
 
 
 @dataclass(kw_only=True, slots=True)

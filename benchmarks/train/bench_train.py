@@ -1,0 +1,363 @@
+"""End-to-end training speed of `lmms-train` on one GPU, with plain transformers measured alongside.
+
+Each lmms case writes a YAML config and runs the real CLI (`python -m lmms_train CONFIG`) in a
+subprocess on a synthetic dataset generated here: Qwen2.5-VL-3B-shaped model (random weights),
+one image per sample with sides drawn from 224–672 px, long-tailed text (lognormal, median ~250
+tokens, cap 4096), the mix the calibration scripts in ../shared/calibration use. Numbers come from
+the run's own `metrics.jsonl` (steps after `--warmup`): tokens/s, total and LM-only MFU against
+989 TFLOP/s, peak memory, data-wait fraction and the forward/backward/optimizer split.
+
+The baseline is upstream transformers on the *same records* processed by the same processor:
+padded batches (each holding the samples that fill about one pack), sdpa attention, fp32 master
+weights with bf16 autocast, gradient checkpointing, fused AdamW; with and without Liger's own
+`apply_liger_kernel_to_qwen2_5_vl` (which includes its fused linear cross-entropy).
+
+    python benchmarks/train/bench_train.py                      # every case (GPU, ~8 min)
+    python benchmarks/train/bench_train.py --cases vl3b_16k hf_sdpa_liger
+    python benchmarks/train/bench_train.py --tiny               # plumbing check on CPU
+
+Prints one JSON line per case and a table last; writes bench_train.json to $OUT if set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PEAK = 989e12  # H100/H200 dense bf16 datasheet, as peers report MFU
+
+# name -> (family, preset, packing_length, optimizer, data kind, text-model overrides)
+CASES: dict[str, dict] = {
+    "vl3b_16k": dict(family="qwen2_5_vl", preset="3b", T=16384, optimizer="adamw", data="vl"),
+    "vl3b_32k": dict(family="qwen2_5_vl", preset="3b", T=32768, optimizer="adamw", data="vl"),
+    "vl3b_16k_muon": dict(family="qwen2_5_vl", preset="3b", T=16384, optimizer="muon", data="vl"),
+    "text3b_16k": dict(family="qwen2_5", preset="3b", T=16384, optimizer="adamw", data="text"),
+    "text1p5b_16k": dict(family="qwen2_5", preset="1.5b", T=16384, optimizer="adamw", data="text"),
+    "hf_sdpa": dict(baseline=True, liger=False, T=16384),
+    "hf_sdpa_liger": dict(baseline=True, liger=True, T=16384),
+}
+WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "that", "for", "on", "with", "as", "was", "by", "at", "from", "this", "be", "are", "or", "an", "which", "one", "image", "shows", "red", "blue", "green", "circle", "square", "triangle", "large", "small", "left", "right", "top", "bottom", "count", "there", "two", "three", "four", "colour", "shape", "next", "under", "above", "between", "object", "picture", "describe", "answer"]
+
+
+def make_records(n: int, seed: int, *, images: bool, tiny: bool) -> list[dict]:
+    """Records in lmms-data's Parquet layout: `messages` (JSON) + `images` (list of JPEG bytes)."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    sides = [56, 84] if tiny else [224, 336, 448, 560, 672]
+    cache: dict[tuple[int, int], bytes] = {}
+    out = []
+    for i in range(n):
+        n_txt = min(64 if tiny else 4096, int(rng.lognormvariate(3.0 if tiny else 5.5, 0.9))) + 8
+        words = [rng.choice(WORDS) for _ in range(max(2, int(n_txt / 1.6)))]
+        cut = max(1, len(words) // 5)
+        q, a = " ".join(words[:cut]), " ".join(words[cut:])
+        user = [{"type": "text", "text": q}]
+        rec: dict = {}
+        if images:
+            side = rng.choice(sides)
+            key = (side, i % 8)  # a few distinct images per size: decoding cost stays real
+            if key not in cache:
+                img = Image.effect_noise((side, side), 64).convert("RGB")
+                buf = io.BytesIO()
+                img.save(buf, format="JPEG", quality=85)
+                cache[key] = buf.getvalue()
+            user = [{"type": "image"}, *user]
+            rec["images"] = [cache[key]]
+        rec["messages"] = json.dumps(
+            [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": [{"type": "text", "text": a}]},
+            ]
+        )
+        out.append(rec)
+    return out
+
+
+def write_parquet(records: list[dict], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cols = {"messages": [r["messages"] for r in records]}
+    if "images" in records[0]:
+        cols["images"] = pa.array([r["images"] for r in records], type=pa.list_(pa.binary()))
+    pq.write_table(pa.table(cols), path, row_group_size=64)
+
+
+def lmms_config(name: str, case: dict, work: Path, args) -> dict:
+    family = "qwen2_5_vl" if case["data"] == "vl" else "qwen2_5"
+    load = {"model_type": case["family"]}
+    if args.tiny:
+        load["tiny"] = True
+        if case["data"] == "vl":
+            load["config"] = {"vision_config": {"patch_size": 14, "window_size": 112}}
+    else:
+        load["preset"] = case["preset"]
+    T = 1024 if args.tiny else case["T"]
+    return {
+        "model_config": {
+            "load_from_config": load,
+            "processor_path": str(work / f"processor_{family}"),
+            "build_local_processor": True,
+        },
+        "dataset_config": {
+            "dataset_path": str(work / f"data_{case['data']}" / "train.parquet"),
+            "packing": True,
+            "packing_strategy": "first_fit",
+            "packing_length": T,
+            "max_open_bins": 16,
+            "num_workers": 0 if args.tiny else 6,
+            "min_pixels": 56 * 56 if args.tiny else 224 * 224,
+            "max_pixels": 84 * 84 if args.tiny else 672 * 672,
+        },
+        "trainer_args": {
+            "output_dir": str(work / "runs" / name),
+            "max_steps": args.warmup + args.steps,
+            "learning_rate": 1e-5,
+            "optimizer": case["optimizer"],
+            "bf16": not args.tiny,
+            "use_rmpad": True,
+            "use_liger_kernel": not args.tiny,
+            "attn_backend": "auto",
+            "activation_checkpointing": args.ac,
+            "save_final": False,
+            "report_to": [],
+            "profile_step_breakdown": True,
+            "seed": 0,
+        },
+    }
+
+
+def run_lmms(name: str, case: dict, work: Path, args) -> dict:
+    import yaml
+
+    cfg = lmms_config(name, case, work, args)
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(p) for p in sorted(ROOT.glob("packages/*/src"))]
+        + [str(ROOT / "apps/trainer/src"), env.get("PYTHONPATH", "")]
+    )
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmms_train", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=args.case_timeout,
+    )
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"case": name, "status": "error", "error": " | ".join(tail)[-300:]}
+    rows = [
+        json.loads(x) for x in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    ]
+    rows = [r for r in rows if r.get("step", 0) > args.warmup and "tokens" in r]
+    dt = sum(r["step_time"] for r in rows)
+    out = {
+        "case": name,
+        "status": "ok",
+        "steps": len(rows),
+        "T": cfg["dataset_config"]["packing_length"],
+        "tok_s": round(sum(r["tokens"] for r in rows) / dt),
+        "mfu": round(sum(r["mfu"] * r["step_time"] for r in rows) / dt, 4),
+        "mfu_lm": round(sum(r["mfu_lm"] * r["step_time"] for r in rows) / dt, 4),
+        "peak_gib": round(max(r.get("peak_memory_gb", 0.0) for r in rows), 1),
+        "data_wait": round(sum(r["data_wait_fraction"] * r["step_time"] for r in rows) / dt, 4),
+        "step_s": round(dt / len(rows), 3),
+        "fill": round(sum(r["packing_fill_ratio"] for r in rows) / len(rows), 3),
+        "wall_s": round(wall, 1),
+    }
+    for part in ("forward", "backward", "optimizer"):
+        key = f"time/{part}"
+        if all(key in r for r in rows):
+            out[key] = round(sum(r[key] for r in rows) / len(rows), 3)
+    return out
+
+
+def _baseline_batches(work: Path, args, T: int, n_batches: int):
+    """Padded batches of the same processed records, each about one pack's worth of tokens."""
+    import pyarrow.parquet as pq
+
+    from lmms_data import BadRecordError, DatasetConfig, build_processor
+
+    dcfg = DatasetConfig.from_dict(
+        {
+            "dataset_path": str(work / "data_vl" / "train.parquet"),
+            "min_pixels": 56 * 56 if args.tiny else 224 * 224,
+            "max_pixels": 84 * 84 if args.tiny else 672 * 672,
+        }
+    )
+    proc = build_processor("qwen2_5_vl", str(work / "processor_qwen2_5_vl"), dcfg)
+    table = pq.read_table(work / "data_vl" / "train.parquet")
+    batches, cur, tokens = [], [], 0
+    for msgs, imgs in zip(table["messages"].to_pylist(), table["images"].to_pylist(), strict=True):
+        messages = json.loads(msgs)
+        for m in messages:
+            for part in m["content"]:
+                if part["type"] == "image":
+                    part["image"] = imgs.pop(0)
+        try:
+            s = proc(messages)
+        except BadRecordError:
+            continue
+        if cur and tokens + s["length"] > T:
+            batches.append(cur)
+            cur, tokens = [], 0
+            if len(batches) == n_batches:
+                break
+        cur.append(s)
+        tokens += s["length"]
+    return batches
+
+
+def run_baseline(name: str, case: dict, work: Path, args) -> dict:
+    import numpy as np
+    import torch
+
+    from lmms_models import get_model_spec
+
+    dev = "cpu" if args.tiny else "cuda"
+    T = 1024 if args.tiny else case["T"]
+    batches = _baseline_batches(work, args, T, args.warmup + args.steps)
+    spec = get_model_spec("qwen2_5_vl")
+    info = json.loads((work / "processor_qwen2_5_vl" / "lmms_token_ids.json").read_text())
+    conf = spec.tiny_config() if args.tiny else spec.preset("3b")
+    for k, v in info.items():
+        if k.endswith("_token_id") and isinstance(v, int) and k in conf:
+            conf[k] = v
+    if args.tiny:
+        conf["vision_config"].update(patch_size=14, window_size=112)
+    torch.manual_seed(0)
+    model = spec.build(config=conf, device=dev, attn_backend="sdpa")
+    if case["liger"]:
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_qwen2_5_vl
+
+            apply_liger_kernel_to_qwen2_5_vl(model=model)
+        except Exception as exc:
+            return {"case": name, "status": "error", "error": f"liger: {exc}"[:300]}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev == "cuda")
+    pad = int(conf.get("pad_token_id") or 0)
+    times, toks, flops, flops_lm = [], 0, 0.0, 0.0
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        for i, group in enumerate(batches):
+            L = max(s["length"] for s in group)
+            ids = np.full((len(group), L), pad, dtype=np.int64)
+            lab = np.full((len(group), L), -100, dtype=np.int64)
+            mask = np.zeros((len(group), L), dtype=np.int64)
+            for r, s in enumerate(group):
+                n = s["length"]
+                ids[r, :n], lab[r, :n], mask[r, :n] = s["input_ids"], s["labels"], 1
+            grid = np.concatenate([s["image_grid_thw"] for s in group])
+            batch = {
+                "input_ids": torch.from_numpy(ids).to(dev),
+                "labels": torch.from_numpy(lab).to(dev),
+                "attention_mask": torch.from_numpy(mask).to(dev),
+                "pixel_values": torch.from_numpy(
+                    np.concatenate([s["pixel_values"] for s in group])
+                ).to(dev),
+                "image_grid_thw": torch.from_numpy(grid).to(dev),
+            }
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+                loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                lens = [s["length"] for s in group]
+                times.append(time.perf_counter() - t0)
+                toks += sum(lens)
+                flops_lm += spec.lm_flops(model.config, lens)
+                flops += spec.vision_flops(model.config, grid)
+    except torch.OutOfMemoryError:
+        return {"case": name, "status": "OOM"}
+    dt = sum(times)
+    return {
+        "case": name,
+        "status": "ok",
+        "steps": len(times),
+        "T": T,
+        "tok_s": round(toks / dt),
+        "mfu": round((flops + flops_lm) / dt / PEAK, 4),
+        "mfu_lm": round(flops_lm / dt / PEAK, 4),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else 0.0,
+        "step_s": round(dt / len(times), 3),
+        "batch_rows": round(sum(len(g) for g in batches) / len(batches), 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--steps", type=int, default=20, help="measured steps per case")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--ac", default="full", choices=["none", "full", "selective"])
+    p.add_argument("--records", type=int, default=3000)
+    p.add_argument("--work", default="/tmp/lmms-bench-train")
+    p.add_argument("--case-timeout", type=int, default=400)
+    p.add_argument("--tiny", action="store_true", help="tiny models on CPU (plumbing check)")
+    args = p.parse_args()
+    work = Path(args.work)
+    kinds = {"vl" if CASES[c].get("baseline") else CASES[c]["data"] for c in args.cases}
+    n = 64 if args.tiny else args.records
+    for kind in sorted(kinds):
+        target = work / f"data_{kind}" / "train.parquet"
+        if not target.exists():
+            write_parquet(make_records(n, 0, images=kind == "vl", tiny=args.tiny), target)
+    results = []
+    for name in args.cases:
+        case = CASES[name]
+        ids_file = work / "processor_qwen2_5_vl" / "lmms_token_ids.json"
+        if case.get("baseline") and not ids_file.exists():
+            from lmms_data import build_local_processor
+
+            # Deterministic: the same folder the lmms runs build, plus its token ids.
+            info = build_local_processor(str(ids_file.parent), "qwen2_5_vl")
+            ids_file.write_text(json.dumps(info))
+        try:
+            res = (run_baseline if case.get("baseline") else run_lmms)(name, case, work, args)
+        except Exception as exc:
+            res = {"case": name, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_train.json").write_text(json.dumps(results, indent=1))
+    cols = ["case", "status", "T", "tok_s", "mfu", "mfu_lm", "peak_gib", "data_wait", "step_s"]
+    cols += ["time/forward", "time/backward", "time/optimizer"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for r in results:
+        print("| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |")
+    base = {r["case"]: r for r in results if r["status"] == "ok"}
+    for ref in ("hf_sdpa", "hf_sdpa_liger"):
+        if ref in base and "vl3b_16k" in base:
+            ratio = base["vl3b_16k"]["tok_s"] / base[ref]["tok_s"]
+            print(f"vl3b_16k vs {ref}: {ratio:.1f}x tokens/s")
+    if not math.isfinite(sum(r.get("tok_s", 0) for r in results)):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
