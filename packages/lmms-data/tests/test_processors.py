@@ -193,3 +193,24 @@ def test_image_patches_equal_hf_pillow_image_processor(proc25):
                                 size={"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels})  # fmt: skip
         assert (mine["image_grid_thw"] == ref["image_grid_thw"]).all()
         np.testing.assert_allclose(mine["pixel_values"], ref["pixel_values"], atol=1e-5)
+
+
+def test_works_without_torchvision(tmp_path):
+    """Users and the GPU image may lack torchvision: folder, processor and loader still work."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+sys.modules["torchvision"] = None  # as if not installed
+import lmms_data as ld
+ld.build_local_processor({str(tmp_path / "p")!r})
+q = ld.build_processor("qwen2_5_vl", {str(tmp_path / "p")!r})
+assert type(q.image_processor).__name__.endswith("Pil"), type(q.image_processor)
+ld.generate_synthetic_vl({str(tmp_path / "d")!r}, 12)
+cfg = ld.DatasetConfig(dataset_path={str(tmp_path / "d")!r}, packing_length=256, num_epochs=1)
+print("samples", sum(b["num_samples"] for b in ld.build_dataloader(cfg, {str(tmp_path / "p")!r}, num_workers=0)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "samples 12" in out.stdout

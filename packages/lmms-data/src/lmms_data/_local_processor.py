@@ -4,7 +4,9 @@ No hub is needed: a small byte-level BPE tokenizer is trained with ``tokenizers`
 (including the synthetic demo data's words), Qwen's special tokens get the first ids, and a
 Qwen-style chat template plus the image processor config are written next to it. The folder loads
 with ``AutoProcessor.from_pretrained(path)`` (and ``AutoTokenizer`` / ``AutoImageProcessor``).
-The image processor uses the pillow backend (``*ImageProcessorPil``) when torchvision is missing.
+The image processor uses the pillow backend (``*ImageProcessorPil``) when torchvision is missing;
+then the folder holds the tokenizer and image processor only (transformers 5.x cannot build a
+Qwen-VL ``AutoProcessor`` without torchvision), which is all ``lmms_data`` needs.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ _CORPUS = [
 
 
 def _has_torchvision() -> bool:
-    return importlib.util.find_spec("torchvision") is not None
+    try:
+        return importlib.util.find_spec("torchvision") is not None
+    except (ValueError, ImportError):  # blocked (sys.modules entry set to None)
+        return False
 
 
 def build_local_processor(
@@ -103,7 +108,6 @@ def build_local_processor(
     hf_tok.chat_template = CHAT_TEMPLATE
 
     import transformers
-    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil_mod
 
     ip_kwargs = dict(
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
@@ -112,6 +116,8 @@ def build_local_processor(
     if _has_torchvision():
         image_processor = transformers.Qwen2VLImageProcessor(**ip_kwargs)
     else:
+        from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil_mod
+
         image_processor = pil_mod.Qwen2VLImageProcessorPil(**ip_kwargs)
     processor_cls = getattr(transformers, cls_name)
     video_processor = None
@@ -125,11 +131,17 @@ def build_local_processor(
             size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 2},
             patch_size=patch, temporal_patch_size=2, merge_size=2, image_mean=mean, image_std=std,
         )  # fmt: skip
-    proc = processor_cls(
-        image_processor=image_processor, tokenizer=hf_tok, video_processor=video_processor,
-        chat_template=CHAT_TEMPLATE,
-    )  # fmt: skip
-    proc.save_pretrained(out_dir)
+    try:
+        proc = processor_cls(
+            image_processor=image_processor, tokenizer=hf_tok, video_processor=video_processor,
+            chat_template=CHAT_TEMPLATE,
+        )  # fmt: skip
+        proc.save_pretrained(out_dir)
+    except (AttributeError, ImportError, ValueError, TypeError):
+        # without torchvision transformers cannot build a Qwen-VL processor (its video processor
+        # needs it): save the parts; AutoTokenizer / AutoImageProcessor (and lmms_data) load them
+        hf_tok.save_pretrained(out_dir)
+        image_processor.save_pretrained(out_dir)
     ids = {t: hf_tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     info = {
         "path": out_dir,
