@@ -17,7 +17,7 @@ from lmms_data import processors as processors  # registers the built-in process
 from lmms_data._collate import MEDIA_KEYS, collate_packed_batch
 from lmms_data._config import DatasetConfig
 from lmms_data._errors import BAD_REASONS, BadRecordError, BadRecordRatioExceeded, BadRecordStats
-from lmms_data._loader import PackedLoader, build_dataloader, build_processor
+from lmms_data._loader import PackedLoader, build_dataloader, build_dataset, build_processor
 from lmms_data._local_processor import SPECIAL_TOKENS, build_local_processor
 from lmms_data._readers import Unit, discover_units, iter_unit
 from lmms_data._records import normalise
@@ -53,6 +53,7 @@ __all__ = [
     "Unit",
     "__version__",
     "build_dataloader",
+    "build_dataset",
     "build_local_processor",
     "build_processor",
     "check_keys",

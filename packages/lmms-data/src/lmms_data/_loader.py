@@ -200,3 +200,7 @@ def build_dataloader(
     )
     return PackedLoader(cfg, processor, dp_rank=dp_rank, dp_world=dp_world,
                         num_workers=num_workers, seed=seed)  # fmt: skip
+
+
+#: the name docs/contracts.md uses; same function
+build_dataset = build_dataloader
