@@ -128,6 +128,14 @@ def test_mrope_matches_upstream_get_rope_index(family, proc25, proc3, tmp_path):
     with torch.no_grad():
         ref, _ = model.get_rope_index(ids, **kw)
     np.testing.assert_array_equal(ref[:, 0].numpy(), s["position_ids"][1:])
+    # the model accepts the sample: placeholder counts equal its vision features per image/video
+    fwd = dict(input_ids=ids, pixel_values=torch.from_numpy(s["pixel_values"]),
+               pixel_values_videos=torch.from_numpy(s["pixel_values_videos"]),
+               position_ids=torch.from_numpy(s["position_ids"])[:, None], **kw)  # fmt: skip
+    fwd.pop("second_per_grid_ts", None)
+    with torch.no_grad():
+        h = model(**fwd).last_hidden_state
+    assert h.shape[:2] == (1, s["length"])
     if family == "qwen3_vl":  # per-frame timestamps in the prompt, as upstream
         text = p.tokenizer.decode(s["input_ids"])
         assert (
