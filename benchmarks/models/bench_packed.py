@@ -4,34 +4,53 @@ One process, one GPU, random weights with the real architecture (``qwen2_5_vl`` 
 Synthetic image+text samples: 224-672 px images (0-2 per sample, ~20% text-only), long-tailed
 (log-normal) text lengths. Every configuration trains on the *same* samples:
 
-* ``lmms``: samples packed into rows of ``T`` tokens; ``spec.packed_forward`` (lmms varlen
-  attention for the LM and the vision tower, fused linear CE), Liger RMSNorm/SwiGLU through
-  ``lmms_kernels.apply_liger`` when available, per-block activation checkpointing (``--ac``).
-* ``hf-sdpa`` / ``hf-sdpa-liger``: plain transformers, padded batches of about ``T`` real tokens,
-  ``model(..., labels=...)`` with SDPA and gradient checkpointing; the second with liger-kernel's
-  own ``apply_liger_kernel_to_qwen2_5_vl`` (RMSNorm, SwiGLU, fused linear CE). Out of memory is
-  reported, not fatal.
+* ``lmms`` variants: samples packed into rows of ``T`` tokens; ``spec.packed_forward`` (lmms
+  varlen attention for the LM and the vision tower, fused linear CE), Liger RMSNorm/SwiGLU
+  through ``lmms_kernels.apply_liger`` when available. Each variant (``--variants``) is
+  ``AC[/fsdp][/compile]``:
 
-All: fp32 master weights, bf16 autocast, fused AdamW. Tokens/s counts real (unpadded) tokens.
+  - ``AC``: activation checkpointing of the decoder and vision blocks: ``none``, ``full``,
+    ``sel`` (op-level selective: matmul outputs saved, element-wise ops and attention
+    recomputed) or a fraction of blocks fully checkpointed (``0.5``: every other block);
+    ``LM:VIT`` sets the towers apart (``0.5:none``: half the decoder blocks, no ViT block).
+  - ``fsdp``: bf16 compute without autocast: FSDP2 ``fully_shard`` on a 1-rank mesh with
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 master weights cast to
+    bf16 once per block and step; bf16 residual stream and saved activations). Without it:
+    fp32 weights under bf16 autocast (per-op casts, fp32 residual stream).
+  - ``compile``: ``torch.compile(dynamic=True)`` of each block's forward (inside the
+    checkpoint); attention stays eager (``lmms_kernels`` keeps the kernel call out of graphs).
+* ``hf-sdpa`` / ``hf-sdpa-liger``: plain transformers, ``model(..., labels=...)`` with SDPA and
+  gradient checkpointing, the same samples in padded micro-batches of at most
+  ``--hf-micro-tokens`` padded tokens (gradient accumulation, one optimizer step per pack); the
+  second with liger-kernel's own ``apply_liger_kernel_to_qwen2_5_vl`` (RMSNorm, SwiGLU, fused
+  linear CE; patches the classes globally, so baselines run after all lmms variants).
+
+All: fp32 master weights, fused AdamW. Tokens/s counts real (unpadded) tokens.
 MFU = FLOPs / time / 989e12 (H100/H200 dense bf16 datasheet peak): LM ``6N + 12·L·h·s`` per token
 (full-attention convention of the calibration; recompute not counted), ViT from the image grids
-(lmms_models' ``vision_flops``). ``--tiny`` runs the same plumbing on CPU in seconds.
+(lmms_models' ``vision_flops``). A failing variant (OOM, error) is reported and the run goes on.
+The table comes last; ``$OUT/bench_packed.json`` gets the rows. ``--tiny``: CPU plumbing check.
 
-GPU: python3 benchmarks/models/bench_packed.py --tokens 16384 32768
+GPU: python3 benchmarks/models/bench_packed.py --tokens 16384 32768 \\
+         --variants full full/fsdp 0.5/fsdp/compile --baselines hf-sdpa-liger
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
 import os
 import random
+import socket
 import time
+import traceback
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from lmms_models import get_model_spec
 
@@ -46,18 +65,33 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--backend", default="auto", help="lmms varlen attention backend")
     p.add_argument(
-        "--ac",
+        "--variants",
         nargs="+",
         default=["full"],
-        help="activation checkpointing per block for lmms: full, none, selective, or a fraction "
-        "of blocks (e.g. 0.5); several values are run one after the other",
+        help="lmms variants AC[/fsdp][/compile], AC in none|full|sel|<fraction>; e.g. "
+        "full full/fsdp 0.5/fsdp/compile",
+    )
+    p.add_argument(
+        "--variant-tokens",
+        nargs="*",
+        default=[],
+        help="restrict a variant to some T: VARIANT@T (e.g. 0.25/fsdp@16384); others run at all T",
     )
     p.add_argument("--no-liger", action="store_true", help="lmms without Liger RMSNorm/SwiGLU")
     p.add_argument(
         "--baselines",
         nargs="*",
         default=["hf-sdpa", "hf-sdpa-liger"],
-        help="plain transformers runs",
+        help="plain transformers runs (after all lmms variants)",
+    )
+    p.add_argument(
+        "--baseline-tokens", type=int, nargs="*", help="T for the baselines (default: first T)"
+    )
+    p.add_argument("--hf-micro-tokens", type=int, default=4096, help="padded tokens/micro-batch")
+    p.add_argument("--hf-steps", type=int, default=2, help="timed steps of the baselines")
+    p.add_argument("--hf-warmup", type=int, default=1)
+    p.add_argument(
+        "--max-variant-s", type=float, default=150.0, help="stop a variant's steps after this"
     )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -143,9 +177,20 @@ def pack_batch(spec, model, pack, n_tokens: int, device) -> dict[str, Any]:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def padded_batches(model, pack, n_tokens: int, device):
-    """Plain-transformers batches for the same samples: rows padded to the longest, about
-    ``n_tokens`` real tokens per batch (one batch per pack)."""
+def micro_batches(pack, max_padded: int) -> list[list[dict]]:
+    """Split one pack's samples (longest first) into micro-batches of at most ``max_padded``
+    padded tokens (rows x longest row), so plain transformers fits in memory."""
+    groups: list[list[dict]] = []
+    for s in sorted(pack, key=lambda s: -len(s["input_ids"])):
+        if groups and len(groups[-1][0]["input_ids"]) * (len(groups[-1]) + 1) <= max_padded:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
+
+
+def padded_batch(model, pack, device):
+    """A plain-transformers batch of ``pack``'s samples: rows padded to the longest."""
     cfg = model.config
     lmax = max(len(s["input_ids"]) for s in pack)
     ids = torch.zeros(len(pack), lmax, dtype=torch.long)
@@ -167,17 +212,133 @@ def padded_batches(model, pack, n_tokens: int, device):
     return {k: v.to(device) for k, v in out.items()}
 
 
-# ----------------------------------------------------------------------------- runs
+# ----------------------------------------------------------------------------- variants
+def parse_variant(text: str) -> dict[str, Any]:
+    """``AC[/fsdp][/compile]`` -> {"ac_lm", "ac_vit", "fsdp", "compile"}; ``AC`` is one mode for
+    both towers or ``LM:VIT`` (e.g. ``0.5:none``)."""
+    ac, *flags = text.split("/")
+    unknown = set(flags) - {"fsdp", "compile"}
+    if unknown:
+        raise ValueError(f"variant {text!r}: unknown flags {sorted(unknown)} (fsdp, compile)")
+    ac_lm, _, ac_vit = ac.partition(":")
+    ac_vit = ac_vit or ac_lm
+    for mode in (ac_lm, ac_vit):
+        if mode not in ("none", "full", "sel") and not 0.0 <= float(mode) <= 1.0:
+            raise ValueError(f"variant {text!r}: AC fraction must be in [0, 1]")
+        if mode == "sel" and "compile" in flags:
+            raise NotImplementedError(
+                "sel/compile: op-level selective checkpointing sees no aten ops inside compiled "
+                "graphs; use a block fraction with compile"
+            )
+    return {
+        "ac_lm": ac_lm,
+        "ac_vit": ac_vit,
+        "fsdp": "fsdp" in flags,
+        "compile": "compile" in flags,
+    }
+
+
 def select_blocks(blocks, frac: float):
+    """``frac`` of ``blocks``, spread evenly (0.5: every other block)."""
     return [b for i, b in enumerate(blocks) if math.floor((i + 1) * frac) > math.floor(i * frac)]
 
 
-def run(name, step_fn, batches, flops, args, device) -> dict[str, Any]:
-    """Time ``step_fn`` over ``batches`` (warmup first); OOM is a result, not a crash."""
+@functools.cache
+def _sel_context():
+    """Op-level selective checkpointing: keep matmul outputs, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def wrap_blocks(blocks, *, ac: str, compile_blocks: bool) -> None:
+    """Per block: ``torch.compile`` its forward, then checkpoint the (compiled) forward.
+
+    Compile sits *inside* the checkpoint so that the graph breaks at the attention call do not
+    break the checkpoint region; the recompute replays the same compiled graphs. (lmms_parallel
+    owns AC and compile in the trainer; this is the measured ordering to port there.)
+    """
+    if ac == "none":
+        chosen: set[int] = set()
+    elif ac in ("full", "sel"):
+        chosen = {id(b) for b in blocks}
+    else:
+        chosen = {id(b) for b in select_blocks(blocks, float(ac))}
+    for block in blocks:
+        fn = block.forward
+        if compile_blocks:
+            fn = torch.compile(fn, dynamic=True)
+        if id(block) in chosen:
+            extra = {"context_fn": _sel_context()} if ac == "sel" else {}
+
+            def fn(*args, _inner=fn, _extra=extra, **kwargs):
+                if not torch.is_grad_enabled():
+                    return _inner(*args, **kwargs)
+                return checkpoint(_inner, *args, use_reentrant=False, **_extra, **kwargs)
+
+        if fn is not block.forward:
+            block.forward = fn
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shard_bf16(spec, model, device) -> None:
+    """FSDP2 on a 1-rank mesh for bf16 compute from fp32 master weights (no autocast).
+
+    Units: each vision block, each decoder block, then the root (embeddings tied to the LM
+    head, patch embed, merger, final norm). The root's forward is the packed loss, so FSDP's
+    root hooks (unshard, post-backward gradient reduction) run around ``packed_forward``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in spec.vision_blocks(model) + spec.decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    model.forward = functools.partial(spec.packed_forward, model)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _compile_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "recompiles": int(counters["recompiles"].get("total", 0))
+        if "recompiles" in counters
+        else 0,
+    }
+
+
+# ----------------------------------------------------------------------------- runs
+def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dict[str, Any]:
+    """Time ``step_fn`` over ``batches`` (``warmup`` first); errors are results, not crashes.
+    Past ``max_s`` seconds after the first step (e.g. a compile that recompiles every step) the
+    run stops and reports the steps timed so far."""
     times: list[float] = []
+    start = time.perf_counter()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    first = None
     try:
         for i, batch in enumerate(batches):
             if cuda:
@@ -186,12 +347,24 @@ def run(name, step_fn, batches, flops, args, device) -> dict[str, Any]:
             loss = step_fn(batch)
             if cuda:
                 torch.cuda.synchronize()
-            if i >= args.warmup:
+            if i == 0:  # compilation and autotuning happen here: not counted against max_s
+                first = time.perf_counter() - t0
+                start = time.perf_counter()
+            if i >= warmup:
                 times.append(time.perf_counter() - t0)
+            if time.perf_counter() - start > max_s and i + 1 < len(flops):
+                print(f"{name}: stopped after {i + 1} steps (--max-variant-s {max_s})")
+                break
     except torch.OutOfMemoryError:
-        return {"run": name, "status": "OOM"}
+        peak = round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else 0.0
+        return {"run": name, "status": "OOM", "peak_gib": peak}
+    except Exception as e:  # a broken variant must not cost the other variants
+        traceback.print_exc()
+        return {"run": name, "status": f"error: {type(e).__name__}: {str(e)[:200]}"}
     n_timed = len(times)
-    timed = slice(args.warmup, args.warmup + n_timed)
+    if not n_timed:
+        return {"run": name, "status": f"too slow: first step {first:.0f} s"}
+    timed = slice(warmup, warmup + n_timed)
     tok = sum(f["tokens"] for f in flops[timed])
     lm = sum(f["lm"] for f in flops[timed])
     vit = sum(f["vit"] for f in flops[timed])
@@ -204,9 +377,156 @@ def run(name, step_fn, batches, flops, args, device) -> dict[str, Any]:
         "mfu_lm": round(lm / tt / PEAK_FLOPS, 4),
         "vit_flop_share": round(vit / (lm + vit), 3),
         "step_s": round(tt / n_timed, 3),
+        "first_step_s": round(first, 1) if first is not None else None,
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else 0.0,
         "loss": round(float(loss), 4),
+        "timed_steps": n_timed,
     }
+
+
+def step_flops(spec, cfg, packs) -> list[dict[str, float]]:
+    out = []
+    for pack in packs:
+        lens = [len(s["input_ids"]) for s in pack]
+        grid = [g for s in pack for g in s["grids"]]
+        out.append(
+            {
+                "tokens": sum(lens),
+                "lm": spec.lm_flops(cfg, lens),
+                "vit": spec.vision_flops(cfg, grid) if grid else 0.0,
+            }
+        )
+    return out
+
+
+def free(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_lmms(spec, config, variant: str, n_tokens: int, args, device) -> dict[str, Any]:
+    """Build, wrap and time one lmms variant."""
+    v = parse_variant(variant)
+    torch.manual_seed(args.seed)
+    model = spec.build(config=config, device=device, attn_backend=args.backend).train()
+    cfg = model.config
+    packs = make_samples(
+        cfg, n_tokens, args.warmup + args.steps, random.Random(args.seed), args.tiny
+    )
+    flops = step_flops(spec, cfg, packs)
+    liger = "off"
+    if not args.no_liger and device.type == "cuda":
+        try:
+            import lmms_kernels
+
+            lmms_kernels.apply_liger(model, "qwen2_5_vl")
+            liger = "rmsnorm+swiglu"
+        except Exception as e:  # reported in the table, the run goes on without it
+            liger = f"failed: {type(e).__name__}"
+    wrap_blocks(spec.decoder_blocks(model), ac=v["ac_lm"], compile_blocks=v["compile"])
+    wrap_blocks(spec.vision_blocks(model), ac=v["ac_vit"], compile_blocks=v["compile"])
+    if v["fsdp"]:
+        shard_bf16(spec, model, device)
+        autocast = torch.autocast(device.type, enabled=False)
+    else:
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    batches = (pack_batch(spec, model, p, n_tokens, device) for p in packs)
+
+    def step(batch):
+        with autocast:
+            loss_sum, count = model(batch) if v["fsdp"] else spec.packed_forward(model, batch)
+        loss = loss_sum / count.clamp(min=1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    before = _compile_counts() if v["compile"] else None
+    res = run(f"lmms {variant}", step, batches, flops, args.warmup, device, args.max_variant_s)
+    if before is not None:
+        after = _compile_counts()
+        res.update({k: after[k] - before[k] for k in after})
+    res.update(T=n_tokens, liger=liger, backend=args.backend)
+    return res
+
+
+def run_baseline(spec, config, base: str, n_tokens: int, args, device) -> dict[str, Any]:
+    """Plain transformers on the same samples, padded micro-batches, gradient accumulation."""
+    import transformers
+
+    if base == "hf-sdpa-liger":
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_qwen2_5_vl
+
+            apply_liger_kernel_to_qwen2_5_vl(
+                rope=False, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True
+            )
+        except Exception as e:
+            return {"run": base, "status": f"liger failed: {type(e).__name__}", "T": n_tokens}
+    torch.manual_seed(args.seed)
+    hf_cfg = spec.make_config(config)
+    for c in (hf_cfg, hf_cfg.text_config, hf_cfg.vision_config):
+        c._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = transformers.Qwen2_5_VLForConditionalGeneration(hf_cfg).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    n_steps = args.hf_warmup + args.hf_steps
+    packs = make_samples(model.config, n_tokens, n_steps, random.Random(args.seed), args.tiny)
+    flops = step_flops(spec, model.config, packs)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def hf_step(pack):
+        n_total = sum(len(s["input_ids"]) for s in pack)
+        total = torch.zeros((), device=device)
+        for group in micro_batches(pack, args.hf_micro_tokens):
+            batch = padded_batch(model, group, device)
+            with autocast:
+                out = model(**batch, use_cache=False)
+            w = sum(len(s["input_ids"]) for s in group) / n_total
+            (out.loss * w).backward()
+            total += out.loss.detach() * w
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    res = run(base, hf_step, packs, flops, args.hf_warmup, device, args.max_variant_s)
+    res.update(T=n_tokens, micro_tokens=args.hf_micro_tokens)
+    return res
+
+
+def print_table(results, dev_name: str, tokens) -> None:
+    print(f"\nQwen2.5-VL-3B-shaped packed training step on {dev_name}; MFU vs 989 TFLOP/s")
+    head = (
+        f"{'T':>6} {'run':<28} {'status':<8} {'tok/s':>8} {'MFU tot':>8} {'MFU LM':>7} "
+        f"{'ViT%':>5} {'s/step':>7} {'1st s':>6} {'peak GiB':>8}"
+    )
+    print(head)
+    for r in results:
+        if r.get("status") != "ok":
+            print(f"{r.get('T', ''):>6} {r['run']:<28} {r['status']}")
+            continue
+        print(
+            f"{r['T']:>6} {r['run']:<28} {'ok':<8} {r['tok_s']:>8} {r['mfu_total']:>8.3f} "
+            f"{r['mfu_lm']:>7.3f} {100 * r['vit_flop_share']:>5.1f} {r['step_s']:>7.3f} "
+            f"{r['first_step_s']:>6} {r['peak_gib']:>8}"
+        )
+    ok = [r for r in results if r.get("status") == "ok"]
+    base = max((r for r in ok if r["run"].startswith("hf")), key=lambda r: r["tok_s"], default=None)
+    for n_tokens in tokens:
+        best = max(
+            (r for r in ok if r["run"].startswith("lmms") and r["T"] == n_tokens),
+            key=lambda r: r["tok_s"],
+            default=None,
+        )
+        if best and base:
+            ratio = best["tok_s"] / base["tok_s"]
+            print(
+                f"T={n_tokens}: lmms best ({best['run']}) {best['tok_s']} tok/s, "
+                f"{best['mfu_total']:.3f} MFU = {ratio:.1f}x {base['run']} (T={base['T']})"
+            )
 
 
 def main() -> None:
@@ -215,165 +535,53 @@ def main() -> None:
     if args.tiny:
         args.tokens = sorted({min(t, 256) for t in args.tokens})
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+        args.hf_steps, args.hf_warmup = min(args.hf_steps, 1), min(args.hf_warmup, 1)
+        args.hf_micro_tokens = min(args.hf_micro_tokens, 128)
         torch.set_num_threads(1)
+    for variant in args.variants:
+        parse_variant(variant)  # fail fast on a typo, before any model is built
+    only: dict[str, set[int]] = {}
+    for item in args.variant_tokens:
+        name, t = item.rsplit("@", 1)
+        only.setdefault(name, set()).add(min(int(t), 256) if args.tiny else int(t))
+    if any(parse_variant(v)["compile"] for v in args.variants):
+        for key in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, key):
+                setattr(torch._dynamo.config, key, 256)
     spec = get_model_spec("qwen2_5_vl")
     config = spec.tiny_config() if args.tiny else spec.preset("3b")
     results: list[dict[str, Any]] = []
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     for n_tokens in args.tokens:
-        torch.manual_seed(args.seed)
-        n_steps = args.warmup + args.steps
-        # ---- lmms
-        for ac in args.ac:
-            model = spec.build(config=config, device=device, attn_backend=args.backend).train()
-            cfg = model.config
-            packs = make_samples(cfg, n_tokens, n_steps, random.Random(args.seed), args.tiny)
-            flops = []
-            for pack in packs:
-                lens = [len(s["input_ids"]) for s in pack]
-                grid = [g for s in pack for g in s["grids"]]
-                flops.append(
-                    {
-                        "tokens": sum(lens),
-                        "lm": spec.lm_flops(cfg, lens),
-                        "vit": spec.vision_flops(cfg, grid) if grid else 0.0,
-                    }
-                )
-            liger = "off"
-            if not args.no_liger and device.type == "cuda":
-                try:
-                    import lmms_kernels
-
-                    lmms_kernels.apply_liger(model, "qwen2_5_vl")
-                    liger = "rmsnorm+swiglu"
-                except Exception as e:  # reported in the table, the run goes on without it
-                    liger = f"failed: {type(e).__name__}"
-            blocks = spec.decoder_blocks(model) + spec.vision_blocks(model)
-            if ac not in ("none", "full", "selective"):
-                from lmms_parallel import apply_activation_checkpointing
-
-                frac = float(ac)
-                apply_activation_checkpointing(
-                    select_blocks(spec.decoder_blocks(model), frac)
-                    + select_blocks(spec.vision_blocks(model), frac),
-                    mode="full",
-                )
-            elif ac != "none":
-                from lmms_parallel import apply_activation_checkpointing
-
-                apply_activation_checkpointing(blocks, mode=ac)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-            batches = (pack_batch(spec, model, p, n_tokens, device) for p in packs)
-
-            def step(batch, model=model, opt=opt):
-                with autocast:
-                    loss_sum, count = spec.packed_forward(model, batch)
-                loss = loss_sum / count.clamp(min=1)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return loss.detach()
-
-            res = run(f"lmms ac={ac}", step, batches, flops, args, device)
-            res.update(T=n_tokens, liger=liger, backend=args.backend)
+        for variant in args.variants:
+            if variant in only and n_tokens not in only[variant]:
+                continue
+            res = run_lmms(spec, config, variant, n_tokens, args, device)
+            free(device)  # the variant's model and optimizer died with run_lmms' frame
             results.append(res)
             print(json.dumps(res), flush=True)
-            del model, opt
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        # ---- plain transformers (same samples), padded batches
+    base_tokens = args.baseline_tokens or args.tokens[:1]
+    if args.tiny:
+        base_tokens = [min(t, 256) for t in base_tokens]
+    for n_tokens in base_tokens:
         for base in args.baselines:
-            import transformers
-
-            if base == "hf-sdpa-liger":
-                try:
-                    from liger_kernel.transformers import apply_liger_kernel_to_qwen2_5_vl
-
-                    apply_liger_kernel_to_qwen2_5_vl(
-                        rope=False, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True
-                    )
-                except Exception as e:
-                    res = {
-                        "run": base,
-                        "status": f"liger failed: {type(e).__name__}",
-                        "T": n_tokens,
-                    }
-                    results.append(res)
-                    print(json.dumps(res), flush=True)
-                    continue
-            hf_cfg = spec.make_config(config)
-            hf_cfg._attn_implementation = "sdpa"
-            hf_cfg.text_config._attn_implementation = "sdpa"
-            hf_cfg.vision_config._attn_implementation = "sdpa"
-            with torch.device(device):
-                model = transformers.Qwen2_5_VLForConditionalGeneration(hf_cfg).train()
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-            packs = make_samples(
-                model.config, n_tokens, n_steps, random.Random(args.seed), args.tiny
-            )
-            flops = []
-            for pack in packs:
-                lens = [len(s["input_ids"]) for s in pack]
-                grid = [g for s in pack for g in s["grids"]]
-                flops.append(
-                    {
-                        "tokens": sum(lens),
-                        "lm": spec.lm_flops(model.config, lens),
-                        "vit": spec.vision_flops(model.config, grid) if grid else 0.0,
-                    }
-                )
-            batches = (padded_batches(model, p, n_tokens, device) for p in packs)
-
-            def hf_step(batch, model=model, opt=opt):
-                with autocast:
-                    out = model(**batch, use_cache=False)
-                out.loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return out.loss.detach()
-
-            res = run(base, hf_step, batches, flops, args, device)
-            res.update(T=n_tokens)
+            res = run_baseline(spec, config, base, n_tokens, args, device)
+            free(device)
             results.append(res)
             print(json.dumps(res), flush=True)
-            del model, opt
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (tiny)"
-    print(f"\nQwen2.5-VL-3B-shaped packed training step on {dev_name}; MFU vs 989 TFLOP/s")
-    head = f"{'T':>6} {'run':<22} {'status':<8} {'tok/s':>8} {'MFU tot':>8} {'MFU LM':>7} {'ViT%':>5} {'s/step':>7} {'peak GiB':>8}"
-    print(head)
-    for r in results:
-        if r.get("status") != "ok":
-            print(f"{r.get('T', ''):>6} {r['run']:<22} {r['status']}")
-            continue
-        print(
-            f"{r['T']:>6} {r['run']:<22} {'ok':<8} {r['tok_s']:>8} {r['mfu_total']:>8.3f} "
-            f"{r['mfu_lm']:>7.3f} {100 * r['vit_flop_share']:>5.1f} {r['step_s']:>7.3f} {r['peak_gib']:>8}"
-        )
-    for n_tokens in args.tokens:
-        ok = [r for r in results if r.get("T") == n_tokens and r.get("status") == "ok"]
-        best = max(
-            (r for r in ok if r["run"].startswith("lmms")), key=lambda r: r["tok_s"], default=None
-        )
-        base = max(
-            (r for r in ok if r["run"].startswith("hf")), key=lambda r: r["tok_s"], default=None
-        )
-        if best and base:
-            print(
-                f"T={n_tokens}: lmms best {best['tok_s']} tok/s = {best['tok_s'] / base['tok_s']:.1f}x {base['run']}"
-            )
+    print_table(results, dev_name, args.tokens)
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
         with open(os.path.join(os.environ["OUT"], "bench_packed.json"), "w") as f:
             json.dump(
-                {"device": dev_name, "peak_flops": PEAK_FLOPS, "results": results}, f, indent=1
+                {
+                    "device": dev_name,
+                    "peak_flops": PEAK_FLOPS,
+                    "args": vars(args),
+                    "results": results,
+                },
+                f,
+                indent=1,
             )
 
 

@@ -157,11 +157,28 @@ def varlen_attention(
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    if torch.compiler.is_compiling():  # dynamo is loaded by now; importing it eagerly pulls triton
+        from torch._dynamo import disable
+
+        return disable(_run_backend)(backend, *args)
+    return _run_backend(backend, *args)
+
+
+def _run_backend(backend, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """Resolve the backend and call its kernel; kept outside ``torch.compile`` graphs.
+
+    Dynamo cannot trace flash-attn's CuTe DSL / Triton launchers, nor the SDPA loop's host reads
+    of ``cu_seqlens``; a compiled transformer block breaks its graph here (one graph before
+    attention, one after) instead of failing. ``max_q``/``max_k`` may be ints, SymInts or 0-d
+    tensors: they become Python ints here, so a compiled caller neither specialises on them
+    (no recompile per new pack) nor syncs inside its graph. Costs one graph break per block; a
+    custom op with a registered fake and backward would remove it (benchmarks/models/NOTES.md).
+    """
     name = resolve_backend(backend, q.device)
-    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32)
-    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32)
-    fn = _IMPLS[name]
-    return fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale)
+    cu_q = cu_q.to(device=q.device, dtype=torch.int32)
+    cu_k = cu_k.to(device=q.device, dtype=torch.int32)
+    return _IMPLS[name](q, k, v, cu_q, cu_k, int(max_q), int(max_k), causal, scale)
 
 
 # --------------------------------------------------------------------------- backends

@@ -107,10 +107,11 @@ def _make_attention_fn(backend: str, wrapper: Callable | None) -> Callable:
             cu_k = kwargs.get("cu_seq_lens_k", cu_q)
             max_q = kwargs.get("max_length_q")
             max_k = kwargs.get("max_length_k", max_q)
+            # left as 0-d tensors: varlen_attention reads them outside compiled graphs
             if max_q is None:
-                max_q = int((cu_q[1:] - cu_q[:-1]).max())
+                max_q = (cu_q[1:] - cu_q[:-1]).max()
             if max_k is None:
-                max_k = int((cu_k[1:] - cu_k[:-1]).max())
+                max_k = (cu_k[1:] - cu_k[:-1]).max()
             out = attend(
                 q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scaling, **extra
             )
