@@ -109,6 +109,28 @@ def vl_config():
     )  # fmt: skip
 
 
+def vl3_config():
+    """Tiny Qwen3-VL: deepstack features of both vision blocks go into the first text layers."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                             "mrope_interleaved": True},
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+            patch_size=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+            num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+        ),
+        image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+
+
 def set_attention(model) -> None:
     """Text decoder through the test attention; the vision tower keeps SDPA."""
     cfg = model.config
@@ -120,11 +142,17 @@ def set_attention(model) -> None:
 
 
 def build(kind: str, device: str = "cpu", seed: int = 0):
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM
+    from transformers import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3ForCausalLM,
+        Qwen3VLForConditionalGeneration,
+    )
 
     torch.manual_seed(seed)
     if kind == "qwen3":
         model = Qwen3ForCausalLM(qwen3_config())
+    elif kind == "vl3":
+        model = Qwen3VLForConditionalGeneration(vl3_config())
     else:
         model = Qwen2_5_VLForConditionalGeneration(vl_config())
     set_attention(model)

@@ -153,6 +153,26 @@ def test_ensure_vision_participation():
     assert tower.weight.grad is not None and float(tower.weight.grad.abs().sum()) == 0.0
 
 
+@pytest.mark.parametrize("kind", ["vl", "vl3"])
+def test_dummy_vision_reaches_every_parameter_an_image_reaches(kind):
+    """FSDP2 reduce-scatters the parameters that have a gradient: the sets must match.
+
+    The merger (and Qwen3-VL's deepstack mergers) are outside the first output of the tower.
+    """
+    T.register_attention()
+    model = T.build(kind)
+    tower = model.model.visual
+    T.row_loss(model, T.make_row(kind, 6))[0].backward()
+    real = {n for n, p in tower.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    dummy = {"hidden_states": torch.zeros(4, 24), "grid_thw": torch.tensor([[1, 2, 2]])}
+    zero = lp.ensure_vision_participation(tower, lambda: dummy, has_media=False)
+    zero.backward()
+    got = {n for n, p in tower.named_parameters() if p.grad is not None}
+    assert got == real == {n for n, _ in tower.named_parameters()}
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in tower.parameters())
+
+
 def test_vision_participation_runs_tower_only_without_media():
     T.register_attention()
     model = T.build("vl")

@@ -117,28 +117,15 @@ def make_forward(spec: Any, model: nn.Module, env: DistEnv) -> Forward:
         group = sp_group(env.mesh)
         SequenceParallel(spec.sp_slice_module(model), group).install()
     native_sp = "sp_group" in inspect.signature(spec.packed_forward).parameters
-    tower = spec.vision_tower(model) if env.distributed else None
-    dummy = _dummy_vision_inputs(spec, model, env.device) if tower is not None else None
 
+    # No explicit ensure_vision_participation here: the hook above runs the dummy where the
+    # peers run the tower; a call before the forward would put its all-gathers first.
     def packed(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        extra = None
-        if tower is not None:
-            from lmms_parallel import ensure_vision_participation
-
-            has_media = (
-                batch.get("pixel_values") is not None
-                or batch.get("pixel_values_videos") is not None
-            )
-            extra = ensure_vision_participation(tower, dummy, has_media=has_media)
         if group is None:
-            loss_sum, n = spec.packed_forward(model, batch)
-        elif native_sp:
-            loss_sum, n = spec.packed_forward(model, batch, sp_group=group)
-        else:
-            loss_sum, n = _sp_packed_forward(spec, model, batch, group)
-        if extra is not None:
-            loss_sum = loss_sum + extra.float()
-        return loss_sum, n
+            return spec.packed_forward(model, batch)
+        if native_sp:
+            return spec.packed_forward(model, batch, sp_group=group)
+        return _sp_packed_forward(spec, model, batch, group)
 
     def forward(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return call_through_root(model, lambda: packed(model, batch))

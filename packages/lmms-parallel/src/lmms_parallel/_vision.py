@@ -3,11 +3,23 @@
 Under FSDP2 every vision block all-gathers its weights in forward and reduce-scatters its
 gradients in backward. A rank whose batch has no image would skip both while its peers wait
 forever. :func:`ensure_vision_participation` runs the tower on a tiny dummy input on such a rank
-and returns ``0 * output.sum()``: adding it to the loss makes backward's reduce-scatters run too,
-with zero gradient, so the update is unchanged. Cost: one forward+backward of a few patches.
+and returns ``0 * (sum of every floating-point output)``: adding it to the loss makes backward's
+reduce-scatters run too, with zero gradient, so the update is unchanged. Cost: one
+forward+backward of a few patches.
 
-Collective order must match the peers, which run the tower inside the model forward after the
-embedding lookup: prefer :class:`VisionParticipation`, which calls this at exactly that point.
+Two things must match the peers, not just "the tower ran":
+
+- **Which parameters get a gradient.** FSDP2 reduce-scatters one flat buffer per unit made of the
+  parameters that *have* a gradient, so every tower parameter a real image reaches must be
+  reached by the dummy too. A Qwen-VL tower returns the pre-merger states first, the merged
+  tokens (``pooler_output``) and, for Qwen3-VL, the deepstack features next; the merger and
+  deepstack mergers sit in the root unit. Keeping only the first output left them without a
+  gradient, and the root unit's reduce-scatter was smaller on the text-only rank (the gloo
+  "collective mismatch" of the 2-rank test). Hence the sum over all outputs.
+- **Order.** The peers run the tower inside the model forward after the embedding lookup:
+  prefer :class:`VisionParticipation`, which runs the dummy at exactly that point, so the
+  all-gathers, the backward pre-unshards (prefetch follows the forward order) and the
+  post-backward reduce-scatters come in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -21,10 +33,11 @@ from torch import nn
 __all__ = ["VisionParticipation", "ensure_vision_participation"]
 
 
-def _first_tensor(out: Any) -> torch.Tensor:
+def _float_tensors(out: Any) -> list[torch.Tensor]:
+    """Every floating-point tensor in a tower output (tensor, ModelOutput, dict, nested lists)."""
     if torch.is_tensor(out):
-        return out
-    if isinstance(out, Mapping):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, Mapping):  # also transformers' ModelOutput (set fields only)
         values = list(out.values())
     elif hasattr(out, "to_tuple"):
         values = list(out.to_tuple())
@@ -32,10 +45,7 @@ def _first_tensor(out: Any) -> torch.Tensor:
         values = list(out)
     else:
         values = []
-    for value in values:
-        if torch.is_tensor(value) and value.is_floating_point():
-            return value
-    raise TypeError(f"the vision tower returned no floating-point tensor: {type(out).__name__}")
+    return [t for value in values for t in _float_tensors(value)]
 
 
 def ensure_vision_participation(
@@ -44,7 +54,7 @@ def ensure_vision_participation(
     *,
     has_media: bool,
 ) -> torch.Tensor | None:
-    """Return ``0 * tower(**dummy_inputs()).sum()`` when ``has_media`` is False, else ``None``.
+    """Return ``0 * tower(**dummy_inputs())`` summed when ``has_media`` is False, else ``None``.
 
     Args:
         vision_tower: the (FSDP-sharded) vision tower, e.g. ``spec.vision_tower(model)``;
@@ -53,13 +63,20 @@ def ensure_vision_participation(
             spec: e.g. one 2x2-patch image for Qwen-VL).
         has_media: whether this rank's batch has images or videos.
 
-    The returned scalar must be added to the loss before backward. Everything runs under the
+    The returned fp32 scalar must be added to the loss before backward. It sums *all*
+    floating-point outputs (merged tokens, deepstack features...), so every trainable tower
+    parameter gets a (zero) gradient, as on the ranks with images. Everything runs under the
     caller's autocast / grad mode; with a frozen tower the forward alone keeps ranks in step.
+    Call it where the peers run the tower (see :class:`VisionParticipation`), not before the
+    model forward.
     """
     if has_media or vision_tower is None:
         return None
-    out = _first_tensor(vision_tower(**dummy_inputs()))
-    return out.sum() * 0.0
+    out = vision_tower(**dummy_inputs())
+    tensors = _float_tensors(out)
+    if not tensors:
+        raise TypeError(f"the vision tower returned no floating-point tensor: {type(out).__name__}")
+    return torch.stack([t.float().sum() for t in tensors]).sum() * 0.0
 
 
 class VisionParticipation:
@@ -67,11 +84,13 @@ class VisionParticipation:
 
     Hooks the vision tower (records that it ran) and the text decoder (``spec.sp_slice_module``):
     when the decoder starts and the tower has not run in this forward (no media on this rank),
-    the tower runs on ``dummy_inputs()`` and ``0 * output.sum()`` is added to the decoder's
-    ``inputs_embeds``. That is exactly where the peers with media run the tower (after the
-    embedding lookup, before the decoder layers), so FSDP's all-gathers and, in backward, its
-    reduce-scatters happen in the same order on every rank; values and gradients are unchanged.
-    Nothing to add to the loss. Install before :class:`SequenceParallel` on the same module.
+    the tower runs on ``dummy_inputs()`` and ``0 * (sum of all its outputs)`` is added to the
+    decoder's ``inputs_embeds``. That is exactly where the peers with media run the tower (after
+    the embedding lookup, before the decoder layers), so FSDP's all-gathers and, in backward, its
+    reduce-scatters happen in the same order, over the same parameters, on every rank; values
+    and gradients are unchanged. Nothing to add to the loss, and no explicit
+    :func:`ensure_vision_participation` call besides (it would count as "the tower ran").
+    Install before :class:`SequenceParallel` on the same module.
     """
 
     def __init__(
