@@ -164,6 +164,11 @@ def main() -> None:
             f"{fc_rate:,.0f} items/s (lambda), fill {ff_fill:.2%}; next_fit fill {nf_fill:.2%} in the "
             f"same run. Target >= 1,000,000 items/s and >= 99% fill: {ok}."
         )
+    lines.append(
+        "- items/s (CPU) = items / CPU-seconds of the benchmark process, pinned to one core: the "
+        "packer's single-core speed. items/s (wall) is lower whenever other processes share that "
+        "core (see the load average above); on an idle core the two agree."
+    )
     parts.insert(0, "Summary:\n\n" + "\n".join(lines))
     body = "\n\n".join(parts)
     print("\n" + body)

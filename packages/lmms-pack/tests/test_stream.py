@@ -180,6 +180,10 @@ def test_first_fit_evicts_fullest_and_emits_full_bins_at_once():
     assert packer.consumed == 6
     assert list(stream) == [[6, 3]]
     assert packer.stats.fill_ratio == pytest.approx(36 / 40)
+    assert packer.stats.as_dict() == {
+        **{"capacity": 10, "budget_capacity": None, "packs": 4, "items": 7, "tokens": 36},
+        **{"budget": 0, "skipped": 0, "truncated": 0, "fill_ratio": pytest.approx(0.9)},
+    }
 
 
 def test_best_fit_picks_tightest():
