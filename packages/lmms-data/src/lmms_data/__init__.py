@@ -10,6 +10,7 @@ Public API::
     collate_packed_batch(samples) -> dict of torch tensors
     build_local_processor(out_dir, family, vocab_size) -> info dict (token ids)
     generate_synthetic_vl(out_dir, n, format="parquet" | "jsonl", seed=0)
+    generate_synthetic_text(out_dir, n, format="parquet" | "jsonl", seed=0)   # text-only records
 """
 
 from lmms_data import _datasets as _datasets  # registers the built-in dataset types
@@ -30,8 +31,14 @@ from lmms_data._registry import (
     register_processor,
 )
 from lmms_data._stream import SlotStream
-from lmms_data._synthetic import generate_synthetic_vl
-from lmms_data.processors import IGNORE_INDEX, QwenVLProcessor, mrope_positions
+from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
+from lmms_data.processors import (
+    IGNORE_INDEX,
+    TEXT_FAMILIES,
+    QwenTextProcessor,
+    QwenVLProcessor,
+    mrope_positions,
+)
 
 __version__ = "0.1.0"
 
@@ -42,11 +49,13 @@ __all__ = [
     "MEDIA_KEYS",
     "PROCESSOR_REGISTRY",
     "SPECIAL_TOKENS",
+    "TEXT_FAMILIES",
     "BadRecordError",
     "BadRecordRatioExceeded",
     "BadRecordStats",
     "DatasetConfig",
     "PackedLoader",
+    "QwenTextProcessor",
     "QwenVLProcessor",
     "Registry",
     "SlotStream",
@@ -59,6 +68,7 @@ __all__ = [
     "check_keys",
     "collate_packed_batch",
     "discover_units",
+    "generate_synthetic_text",
     "generate_synthetic_vl",
     "iter_unit",
     "mrope_positions",

@@ -6,7 +6,9 @@ Qwen-style chat template plus the image processor config are written next to it.
 with ``AutoProcessor.from_pretrained(path)`` (and ``AutoTokenizer`` / ``AutoImageProcessor``).
 The image processor uses the pillow backend (``*ImageProcessorPil``) when torchvision is missing;
 then the folder holds the tokenizer and image processor only (transformers 5.x cannot build a
-Qwen-VL ``AutoProcessor`` without torchvision), which is all ``lmms_data`` needs.
+Qwen-VL ``AutoProcessor`` without torchvision), which is all ``lmms_data`` needs. For a text
+family (``qwen2``, ``qwen2_5``, ``qwen3``) the folder holds the tokenizer only (same special
+tokens and chat template), loadable with ``AutoTokenizer.from_pretrained(path)``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import importlib.util
 import json
 import os
 from typing import Any
+
+from lmms_data.processors._text import TEXT_FAMILIES
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -78,15 +82,17 @@ def build_local_processor(
 ) -> dict[str, Any]:
     """Write a tokenizer + chat template + image processor folder to ``out_dir`` (< 1 s).
 
+    Text families (``TEXT_FAMILIES``) get a tokenizer-only folder (no image processor).
+
     Returns ``{"path", "vocab_size", "image_token_id", "video_token_id", "vision_start_token_id",
     "vision_end_token_id", "eos_token_id", "pad_token_id", ...}`` so a tiny model config can match.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if family not in _FAMILIES:
-        raise ValueError(f"unknown family {family!r}; known: {sorted(_FAMILIES)}")
-    cls_name, patch, mean, std = _FAMILIES[family]
+    if family not in _FAMILIES and family not in TEXT_FAMILIES:
+        known = sorted([*_FAMILIES, *TEXT_FAMILIES])
+        raise ValueError(f"unknown family {family!r}; known: {known}")
     os.makedirs(out_dir, exist_ok=True)
 
     tok = Tokenizer(models.BPE())
@@ -106,8 +112,18 @@ def build_local_processor(
         additional_special_tokens=list(SPECIAL_TOKENS[1:]),
     )
     hf_tok.chat_template = CHAT_TEMPLATE
+    if family in TEXT_FAMILIES:
+        hf_tok.save_pretrained(out_dir)
+        return _write_info(out_dir, family, hf_tok, patch=None)
+    _save_vl(out_dir, family, hf_tok, min_pixels, max_pixels)
+    return _write_info(out_dir, family, hf_tok, patch=_FAMILIES[family][1])
 
+
+def _save_vl(out_dir: str, family: str, hf_tok: Any, min_pixels: int, max_pixels: int) -> None:
+    """Save the tokenizer with a Qwen-VL image (and, with torchvision, video) processor."""
     import transformers
+
+    cls_name, patch, mean, std = _FAMILIES[family]
 
     ip_kwargs = dict(
         size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
@@ -142,6 +158,9 @@ def build_local_processor(
         # needs it): save the parts; AutoTokenizer / AutoImageProcessor (and lmms_data) load them
         hf_tok.save_pretrained(out_dir)
         image_processor.save_pretrained(out_dir)
+
+
+def _write_info(out_dir: str, family: str, hf_tok: Any, patch: int | None) -> dict[str, Any]:
     ids = {t: hf_tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     info = {
         "path": out_dir,

@@ -152,10 +152,15 @@ class SlotStream:
                 raise rec
             messages = normalise(self.adapter(rec))
             base = self._base(ref)
+            accepted = getattr(self.processor, "media_types", None)  # None: not declared
             for m in messages:
                 for part in m["content"]:
                     if part["type"] in MEDIA_TYPES:
                         t = part["type"]
+                        if accepted is not None and t not in accepted:
+                            raise BadRecordError(
+                                "unsupported_media", f"this model's processor cannot take {t} parts"
+                            )
                         part[t] = resolve_media(
                             part[t], t, base, allow_absolute=self.cfg.allow_absolute_paths
                         )

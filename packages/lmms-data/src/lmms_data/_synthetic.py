@@ -1,8 +1,10 @@
-"""A small synthetic vision-language dataset a tiny model can learn: coloured shapes on a canvas.
+"""Small synthetic datasets a tiny model can learn: coloured shapes (vision-language) and text.
 
-Each record shows 1-4 shapes (circle, square, triangle) in one of six colours and asks either to
-describe the picture or to count shapes (of one colour, or all). Answers follow fixed templates, so
-a small model drives the loss well below the unigram baseline within a few hundred steps.
+``generate_synthetic_vl``: each record shows 1-4 shapes (circle, square, triangle) in one of six
+colours and asks either to describe the picture or to count shapes (of one colour, or all).
+``generate_synthetic_text``: text-only chat records (single-digit sums, copying and reversing short
+word lists) for the text model families. Answers follow fixed templates, so a small model drives
+the loss well below the unigram baseline within a few hundred steps.
 """
 
 from __future__ import annotations
@@ -122,4 +124,57 @@ def generate_synthetic_vl(
             paths.append(path)
     else:
         raise ValueError(f"format must be 'parquet' or 'jsonl', got {format!r}")
+    return paths
+
+
+WORDS = ("red", "green", "blue", "yellow", "circle", "square", "star", "one", "two", "three")
+
+
+def text_records(n: int, *, seed: int = 0):
+    """Yield ``(question, answer)`` pairs of three templated tasks, deterministic in ``seed``."""
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        kind = int(rng.integers(3))
+        if kind == 0:
+            a, b = (int(x) for x in rng.integers(0, 10, size=2))
+            yield f"What is {a} + {b}?", f"{a} + {b} = {a + b}."
+            continue
+        words = [WORDS[int(i)] for i in rng.integers(len(WORDS), size=int(rng.integers(2, 6)))]
+        if kind == 1:
+            yield f"Repeat: {' '.join(words)}", " ".join(words)
+        else:
+            yield f"Reverse: {' '.join(words)}", " ".join(reversed(words))
+
+
+def generate_synthetic_text(
+    out_dir: str, n: int, format: str = "parquet", seed: int = 0, *, num_shards: int = 1,
+    rows_per_group: int = 64,
+) -> list[str]:  # fmt: skip
+    """Write ``n`` text-only chat records to ``out_dir`` and return the shard paths.
+
+    ``parquet``: one ``messages`` column (JSON string), row groups of ``rows_per_group``.
+    ``jsonl``: one ``{"messages": [...]}`` per line.
+    """
+    if format not in ("parquet", "jsonl"):
+        raise ValueError(f"format must be 'parquet' or 'jsonl', got {format!r}")
+    os.makedirs(out_dir, exist_ok=True)
+    msgs = [
+        [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        for q, a in text_records(n, seed=seed)
+    ]
+    bounds = np.linspace(0, n, num_shards + 1).astype(int)
+    paths = []
+    for s in range(num_shards):
+        part = msgs[bounds[s] : bounds[s + 1]]
+        path = os.path.join(out_dir, f"shard-{s:05d}.{format}")
+        if format == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            table = pa.table({"messages": [json.dumps(m) for m in part]})
+            pq.write_table(table, path, row_group_size=rows_per_group)
+        else:
+            with open(path, "w") as f:
+                f.writelines(json.dumps({"messages": m}) + "\n" for m in part)
+        paths.append(path)
     return paths

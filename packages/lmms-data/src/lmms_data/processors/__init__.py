@@ -1,19 +1,23 @@
 """Per-family processors (chat record -> sample); registered by name in ``PROCESSOR_REGISTRY``."""
 
+from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
 from lmms_data.processors._mrope import mrope_positions
 from lmms_data.processors._qwen_vl import (
-    IGNORE_INDEX,
     Qwen2_5_VLDataProcessor,
     Qwen3VLDataProcessor,
     QwenVLProcessor,
     smart_resize,
 )
+from lmms_data.processors._text import TEXT_FAMILIES, QwenTextProcessor
 
 __all__ = [
     "IGNORE_INDEX",
+    "TEXT_FAMILIES",
     "Qwen2_5_VLDataProcessor",
     "Qwen3VLDataProcessor",
+    "QwenTextProcessor",
     "QwenVLProcessor",
     "mrope_positions",
     "smart_resize",
+    "tokenize_chat",
 ]

@@ -15,7 +15,6 @@ the cost of owning ~30 lines of resize/patch code.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import numpy as np
@@ -24,10 +23,8 @@ from PIL import Image
 from lmms_data._errors import BadRecordError
 from lmms_data._media import decode_video, load_image
 from lmms_data._registry import register_processor
+from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
 from lmms_data.processors._mrope import mrope_positions
-
-IGNORE_INDEX = -100
-_ASSISTANT = re.compile(r"<\|im_start\|>assistant\n(.*?)(<\|im_end\|>)", re.S)
 
 
 def smart_resize(h: int, w: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -71,6 +68,7 @@ class QwenVLProcessor:
     """
 
     family = "qwen2_5_vl"
+    media_types: tuple[str, ...] = ("image", "video")
 
     def __init__(
         self, processor: Any, *, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280,
@@ -198,13 +196,7 @@ class QwenVLProcessor:
                 sample["second_per_grid_ts"] = np.asarray(spg, dtype=np.float32)
             text = vpieces[0] + "".join(f + r for f, r in zip(fills, vpieces[1:], strict=True))
 
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = np.asarray(enc["input_ids"], dtype=np.int64)  # [L]
-        starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
-        labels = np.full_like(ids, IGNORE_INDEX)
-        for mt in _ASSISTANT.finditer(text):
-            sel = (starts >= mt.start(1)) & (starts < mt.end(2))
-            labels[sel] = ids[sel]
+        ids, labels = tokenize_chat(self.tokenizer, text)  # [L], [L]
         types = np.zeros_like(ids)
         types[ids == self.image_token_id] = 1
         types[ids == self.video_token_id] = 2
