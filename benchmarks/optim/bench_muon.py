@@ -122,6 +122,42 @@ def reference_muon_step(mats, grads, bufs, lr, wd, mom=0.95):
         p.add_(o.view(p.shape), alpha=-lr * lo.lr_scale("rms", p.shape))
 
 
+def phase_breakdown(opt, iters: int) -> dict[str, float]:
+    """Mean ms per phase of ``opt.step`` (CUDA events at ``Muon.phase_hook`` boundaries; summed
+    over buckets for stack / ns / apply)."""
+    import itertools
+    import time
+
+    marks: list[tuple[str, object]] = []
+    now = (lambda: time.perf_counter()) if DEVICE == "cpu" else None
+
+    def record(name: str) -> None:
+        if now is not None:
+            marks.append((name, now()))
+        else:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append((name, ev))
+
+    totals: dict[str, float] = {}
+    opt.phase_hook = record
+    try:
+        for _ in range(iters):
+            marks.clear()
+            record("start")
+            opt.step()
+            record("end")
+            if now is None:
+                torch.cuda.synchronize()
+            for (_, a), (name, b) in itertools.pairwise(marks):
+                ms = (b - a) * 1e3 if now is not None else a.elapsed_time(b)
+                name = "tail" if name == "end" else name
+                totals[name] = totals.get(name, 0.0) + ms / iters
+    finally:
+        opt.phase_hook = None
+    return totals
+
+
 def bench_model(iters):
     torch.manual_seed(0)
     shapes = qwen25_vl_3b_params()
@@ -150,6 +186,7 @@ def bench_model(iters):
     del before
     worst = max(errs)
     t_lmms = cuda_time(opt.step, iters, warmup=1)
+    phases = phase_breakdown(opt, iters)
     ref_step = functools.partial(reference_muon_step, ref_mats, ref_grads, ref_bufs, lr, wd)
     t_ref_mats = cuda_time(ref_step, iters, warmup=1)
     t_adamw_rest = cuda_time(adamw.step, iters, warmup=1)
@@ -162,7 +199,7 @@ def bench_model(iters):
         n_params=n_params, n_matrices=len(mats), lmms_ms=t_lmms * 1e3, ref_ms=t_ref * 1e3,
         ref_matrix_part_ms=t_ref_mats * 1e3, adamw_rest_ms=t_adamw_rest * 1e3,
         fused_adamw_all_ms=t_adamw_all * 1e3, speedup=t_ref / t_lmms, worst_rel_err=worst,
-        peak_gib=peak,
+        peak_gib=peak, phases_ms=phases,
     )  # fmt: skip
 
 
@@ -208,13 +245,18 @@ def main() -> int:
          ["lmms_optim.Muon (batched Triton NS + AdamW side)", f"{m['lmms_ms']:.1f}", f"{m['speedup']:.2f}x"],
          ["fused torch AdamW, all params", f"{m['fused_adamw_all_ms']:.1f}", f"{m['ref_ms'] / m['fused_adamw_all_ms']:.2f}x"]],
     )  # fmt: skip
+    ph = m["phases_ms"]
+    t_ph = harness.markdown_table(
+        ["lmms_optim.Muon phase", "ms", "share"],
+        [[k, f"{v:.1f}", f"{v / max(sum(ph.values()), 1e-9):.0%}"] for k, v in ph.items()],
+    )
     t3 = harness.markdown_table(
         ["target", "verdict"], [[v, "PASS" if ok else "FAIL"] for v, ok in verdicts]
     )
     notes = (f"{m['n_params'] / 1e9:.2f}B params, {m['n_matrices']} Muon matrices; worst per-matrix "
              f"update rel. error vs reference {m['worst_rel_err']:.3f}; peak {m['peak_gib']:.0f} GiB. "
              "lmms = default backend (Triton symmetric Gram kernels + cuBLAS fused step).")  # fmt: skip
-    body = f"{t1}\n\n{t2}\n\n{notes}\n\n{t3}\n"
+    body = f"{t1}\n\n{t2}\n\n{notes}\n\n{t_ph}\n\n{t3}\n"
     title = "lmms-optim: Newton-Schulz and Muon step (benchmarks/optim/bench_muon.py)"
     command = "python benchmarks/optim/bench_muon.py --write"
     if args.write and not args.smoke:

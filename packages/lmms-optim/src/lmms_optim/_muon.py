@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from ._ns import Backend, Coefficients, NSSchedule, newton_schulz, resolve_schedule
+from ._ns import Backend, Coefficients, NSSchedule, _ns_stack, newton_schulz, resolve_schedule
 
 __all__ = ["Muon", "lr_scale"]
 
@@ -126,6 +126,7 @@ class Muon(Optimizer):
                     if p.ndim < 2:
                         raise ValueError(f"Muon needs parameters with ndim >= 2, got {p.shape}")
         super().__init__(split, {})
+        self.phase_hook: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ AdamW side
     def _adamw_step(self, group: dict[str, Any]) -> None:
@@ -169,8 +170,10 @@ class Muon(Optimizer):
             torch._foreach_addcdiv_(ps, ms, denom, -lr / bc1)
 
     # ------------------------------------------------------------------ Muon side
-    def _muon_updates(self, group: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Momentum update; returns (param, local update U) for params with a gradient."""
+    def _momentum(self, group: dict[str, Any], dist: list[tuple], local: list[tuple]) -> None:
+        """M = μM + (1-μ)G (one foreach). DTensors get their update U now (appended to ``dist``
+        as (p, U, group)); local params go to ``local`` as (p, G, M, group): their U is written
+        straight into the bf16 NS stack (:meth:`_local_step`)."""
         ps, gs, bufs = [], [], []
         for p in group["params"]:
             if p.grad is None:
@@ -182,46 +185,79 @@ class Muon(Optimizer):
             gs.append(_local(p.grad))
             bufs.append(_local(st["momentum_buffer"]))
         if not ps:
-            return []
+            return
         mu = group["momentum"]
         torch._foreach_lerp_(bufs, gs, 1 - mu)  # M = μM + (1-μ)G
-        if group["nesterov"]:
-            ups = [g.lerp(b, mu) for g, b in zip(gs, bufs)]  # (1-μ)G + μM
-        else:
-            ups = bufs
-        return list(zip(ps, ups))
+        for p, g, b in zip(ps, gs, bufs):
+            if _is_dtensor(p):
+                dist.append((p, g.lerp(b, mu) if group["nesterov"] else b, group))
+            else:
+                local.append((p, g, b, group))
+
+    def _local_step(self, local: list[tuple]) -> None:
+        """Bucket local matrices by (wide shape, schedule, lr factors); per bucket: write U into
+        one bf16 stack (nesterov lerp, transpose and cast in one pass), scale, batched NS with
+        ``-lr·lr_scale`` folded into the last GEMM, then ``W = (1 - lr·wd)·W + O`` in one pass."""
+        buckets: dict[tuple, list[int]] = defaultdict(list)
+        for i, (p, g, _, grp) in enumerate(local):
+            r, c = g.size(0), g[0].numel()
+            scale = -grp["lr"] * lr_scale(grp["adjust_lr"], p.shape)
+            decay = 1.0 - grp["lr"] * grp["weight_decay"]
+            key = (min(r, c), max(r, c), g.device, _ns_key(grp), scale, decay)
+            buckets[key].append(i)
+        for (m, n, device, (steps, schedule), scale, decay), idx in buckets.items():
+            X = torch.empty(len(idx), m, n, device=device, dtype=torch.bfloat16)  # [B, m, n]
+            for j, i in enumerate(idx):
+                _, g, b, grp = local[i]
+                g2, b2 = g.reshape(g.size(0), -1), b.reshape(b.size(0), -1)
+                dst = X[j] if g2.size(0) == m and g2.size(1) == n else X[j].mT
+                if grp["nesterov"]:
+                    torch.lerp(g2, b2, grp["momentum"], out=dst)  # (1-μ)G + μM
+                else:
+                    dst.copy_(b2)
+            norm = X.norm(dim=(-2, -1), keepdim=True)  # [B, 1, 1]
+            X.div_(norm.mul_(schedule.norm_scale).add_(1e-7))
+            self._mark("stack")
+            # On CUDA the GEMM epilogue is fp32, so folding the lr into it costs no precision; the
+            # CPU bf16 GEMM rounds before its epilogue, so there the lr is applied in fp32.
+            fold = X.is_cuda
+            coeffs = schedule.for_steps(steps)
+            out = _ns_stack(X, coeffs, self.backend, scale if fold else 1.0)  # [B, m, n]
+            self._mark("ns")
+            for j, i in enumerate(idx):
+                lp = _local(local[i][0])
+                o = out[j] if lp.size(0) == m and lp[0].numel() == n else out[j].mT
+                o = o.reshape(lp.shape)
+                if not fold:
+                    lp.mul_(decay).add_(o, alpha=scale)
+                elif decay != 1.0:
+                    torch.add(o, lp, alpha=decay, out=lp)  # O + (1 - lr·wd)·W, one pass
+                else:
+                    lp.add_(o)
+            del X, out
+            self._mark("apply")
 
     def _orthogonalize(
         self, items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
     ) -> list[torch.Tensor]:
-        """Local orthogonalised updates (bf16, local shape of each param) for (p, U, group)."""
-        out: list[torch.Tensor | None] = [None] * len(items)
-        dist_idx = [i for i, (p, _, _) in enumerate(items) if _is_dtensor(p)]
-        if dist_idx:
-            from ._distributed import orthogonalize_sharded
+        """Orthogonalised local updates (bf16) of sharded DTensor params, for (p, U, group)."""
+        from ._distributed import orthogonalize_sharded
 
-            res = orthogonalize_sharded(
-                [(items[i][0], items[i][1], _ns_key(items[i][2])) for i in dist_idx],
-                ns_fn=self._ns,
-                bucket_numel=self.dist_bucket_numel,
-            )
-            for i, r in zip(dist_idx, res):
-                out[i] = r
-        # Local matrices: stack same-shaped ones and run one batched NS per (shape, schedule).
-        buckets: dict[tuple, list[int]] = defaultdict(list)
-        for i, (_p, u, g) in enumerate(items):
-            if out[i] is None:
-                buckets[(tuple(u.shape), u.device, _ns_key(g))].append(i)
-        for (_, _, key), idx in buckets.items():
-            stack = torch.stack([items[i][1].reshape(items[i][1].size(0), -1) for i in idx])
-            res = self._ns(stack, key)  # [B, m, n]
-            for j, i in enumerate(idx):
-                out[i] = res[j].view(items[i][1].shape)
-        return out  # type: ignore[return-value]
+        return orthogonalize_sharded(
+            [(p, u, _ns_key(g)) for p, u, g in items],
+            ns_fn=self._ns,
+            bucket_numel=self.dist_bucket_numel,
+        )
 
     def _ns(self, stack: torch.Tensor, key: tuple) -> torch.Tensor:
         steps, schedule = key
         return newton_schulz(stack, steps, coefficients=schedule, backend=self.backend)
+
+    def _mark(self, phase: str) -> None:
+        """Phase boundary: calls ``self.phase_hook(phase)`` if set (the benchmark records CUDA
+        events there: adamw, momentum, distributed, then stack / ns / apply per bucket)."""
+        if self.phase_hook is not None:
+            self.phase_hook(phase)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -229,20 +265,25 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adamw_step(group)
+        self._mark("adamw")
+        dist: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        local: list[tuple] = []
         for group in self.param_groups:
             if group["use_muon"]:
-                items.extend((p, u, group) for p, u in self._muon_updates(group))
-            else:
-                self._adamw_step(group)
-        if not items:
-            return loss
-        updates = self._orthogonalize(items)
-        for (p, _, g), o in zip(items, updates):
-            lp = _local(p)
-            if g["weight_decay"] != 0:
-                lp.mul_(1 - g["lr"] * g["weight_decay"])
-            lp.add_(o.view(lp.shape), alpha=-g["lr"] * lr_scale(g["adjust_lr"], p.shape))
+                self._momentum(group, dist, local)
+        self._mark("momentum")
+        if dist:
+            for (p, _, g), o in zip(dist, self._orthogonalize(dist)):
+                lp = _local(p)
+                if g["weight_decay"] != 0:
+                    lp.mul_(1 - g["lr"] * g["weight_decay"])
+                lp.add_(o.view(lp.shape), alpha=-g["lr"] * lr_scale(g["adjust_lr"], p.shape))
+            self._mark("distributed")
+        if local:
+            self._local_step(local)
         return loss
 
 

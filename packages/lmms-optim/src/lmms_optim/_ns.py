@@ -104,13 +104,53 @@ def _prepare(G: torch.Tensor, norm_scale: float, eps: float) -> tuple[torch.Tens
     return X, transposed
 
 
-def _ns_torch(X: torch.Tensor, coeffs: Sequence[Coefficients]) -> torch.Tensor:
-    """Torch backend on a prepared stack X [B, m, n] (m <= n): 3 fused BLAS calls per step."""
-    for a, b, c in coeffs:
-        A = torch.bmm(X, X.mT)  # [B, m, m]
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
-        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)  # a·X + B·X
-    return X
+def _ns_torch(X: torch.Tensor, coeffs: Sequence[Coefficients], scale: float = 1.0) -> torch.Tensor:
+    """Torch backend on a prepared stack X [B, m, n] (m <= n): 3 fused BLAS calls per step.
+
+    The last step multiplies by ``scale`` inside the GEMM epilogue (free). A single matrix goes
+    through the 2-D ``mm``/``addmm`` calls: batched ``baddbmm`` costs more host time per call,
+    which dominates below ~1k×1k.
+    """
+    single = X.size(0) == 1
+    Y = X[0] if single else X
+    mm, addmm = (torch.mm, torch.addmm) if single else (torch.bmm, torch.baddbmm)
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        s = scale if i == last else 1.0
+        A = mm(Y, Y.mT)  # [B, m, m]
+        B = addmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
+        Y = addmm(Y, B, Y, beta=a * s, alpha=s)  # s·(a·X + B·X)
+    return Y.unsqueeze(0) if single else Y
+
+
+# Below this much work per Gram (B·m²·n) the Triton kernels lose to cuBLAS: too few tiles to
+# fill the GPU and the autotuned launch costs more host time than the GPU work.
+_TRITON_MIN_WORK = 1 << 34
+
+
+def _ns_stack(
+    X: torch.Tensor, coeffs: Sequence[Coefficients], backend: Backend, scale: float = 1.0
+) -> torch.Tensor:
+    """NS on a prepared stack X [B, m, n] (bf16, contiguous, m <= n, scaled; may be reused).
+
+    Returns ``scale · NS(X)``. ``"auto"`` takes Triton on CUDA for stacks with enough work.
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    nb, m, n = X.shape
+    use_triton = backend == "triton" or (
+        backend == "auto" and X.is_cuda and nb * m * m * n >= _TRITON_MIN_WORK and _triton_usable(X)
+    )
+    if not use_triton:
+        return _ns_torch(X, coeffs, scale)
+    if not _triton_usable(X):
+        raise RuntimeError(
+            "backend='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 for CPU "
+            "tests); use backend='torch' here"
+        )
+    from ._triton_ns import ns_triton
+
+    return ns_triton(X, coeffs, scale=scale)
 
 
 def _triton_usable(X: torch.Tensor) -> bool:
@@ -135,28 +175,21 @@ def newton_schulz(
 
     Returns bf16 of the same shape. Each matrix of a stack is scaled by its own Frobenius norm.
     ``backend="auto"`` picks Triton on CUDA (symmetric Gram kernels: half the FLOPs of the two
-    ``m × m`` products) and torch elsewhere; ``"triton"`` also runs on CPU under
+    ``m × m`` products) when the stack holds enough work (``B·m²·n >= 2**34``), torch elsewhere; ``"triton"`` also runs on CPU under
     ``TRITON_INTERPRET=1`` (tests only: slow).
     """
     schedule = resolve_schedule(coefficients)
     coeffs = schedule.for_steps(steps)
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "triton" and not _triton_usable(G):
+        raise RuntimeError(
+            "backend='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 for CPU "
+            "tests); use backend='torch' here"
+        )
     X, transposed = _prepare(G, schedule.norm_scale, eps)
     batch_shape = X.shape[:-2]
-    X3 = X.reshape(-1, X.size(-2), X.size(-1))  # [B, m, n]
-    use_triton = backend == "triton" or (backend == "auto" and X.is_cuda and _triton_usable(X))
-    if use_triton:
-        if not _triton_usable(X):
-            raise RuntimeError(
-                "backend='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 for CPU "
-                "tests); use backend='torch' here"
-            )
-        from ._triton_ns import ns_triton
-
-        out = ns_triton(X3, coeffs)
-    else:
-        out = _ns_torch(X3, coeffs)
+    out = _ns_stack(X.reshape(-1, X.size(-2), X.size(-1)), coeffs, backend)  # [B, m, n]
     out = out.reshape(*batch_shape, out.size(-2), out.size(-1))
     return out.mT if transposed else out
 

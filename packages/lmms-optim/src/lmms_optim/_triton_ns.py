@@ -118,7 +118,7 @@ def _step_kernel(
     sbb, sbm, sbk,
     sxb, sxm, sxn,
     sob, som, son,
-    a_coef, UPCAST: tl.constexpr,
+    a_coef, alpha, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -151,7 +151,7 @@ def _step_kernel(
     x_tile = tl.load(
         x_ptr + bid * sxb + rm[:, None] * sxm + rn[None, :] * sxn, mask=mask, other=0.0
     )
-    acc += a_coef * x_tile.to(tl.float32)
+    acc = alpha * acc + a_coef * x_tile.to(tl.float32)
     tl.store(o_ptr + bid * sob + rm[:, None] * som + rn[None, :] * son, acc.to(o_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
 
@@ -196,30 +196,52 @@ def gram_reference(
 
 
 def fused_step(
-    B: torch.Tensor, X: torch.Tensor, a: float, *, out: torch.Tensor | None = None
+    B: torch.Tensor,
+    X: torch.Tensor,
+    a: float,
+    *,
+    alpha: float = 1.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``a·X + B X`` for B ``[Bt, m, m]``, X ``[Bt, m, n]`` (or unbatched), fp32 accumulation."""
+    """``a·X + alpha·B X`` for B ``[Bt, m, m]``, X ``[Bt, m, n]`` (or unbatched), fp32 accumulation."""
     B3, X3 = _as_batch(B), _as_batch(X)
     nb, m, n = X3.shape
     res = out if out is not None else torch.empty_like(X)
     O3 = _as_batch(res)
     grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), nb)  # noqa: E731
     _step_kernel[grid](
-        B3, X3, O3, m, n, *B3.stride(), *X3.stride(), *O3.stride(), float(a), UPCAST=_INTERPRET
+        B3,
+        X3,
+        O3,
+        m,
+        n,
+        *B3.stride(),
+        *X3.stride(),
+        *O3.stride(),
+        float(a),
+        float(alpha),
+        UPCAST=_INTERPRET,
     )
     return res
 
 
-def fused_step_reference(B: torch.Tensor, X: torch.Tensor, a: float) -> torch.Tensor:
-    return (a * X.float() + B.float() @ X.float()).to(X.dtype)
+def fused_step_reference(
+    B: torch.Tensor, X: torch.Tensor, a: float, *, alpha: float = 1.0
+) -> torch.Tensor:
+    return (a * X.float() + alpha * (B.float() @ X.float())).to(X.dtype)
 
 
 def ns_triton(
-    X: torch.Tensor, coeffs: Sequence[tuple[float, float, float]], *, step: str | None = None
+    X: torch.Tensor,
+    coeffs: Sequence[tuple[float, float, float]],
+    *,
+    step: str | None = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """Newton–Schulz on a prepared stack X ``[B, m, n]`` (bf16, contiguous, m <= n, scaled).
 
-    ``step``: ``"baddbmm"`` (cuBLAS, default on CUDA) or ``"triton"`` (default under the
+    Returns ``scale · NS(X)`` (the scale rides in the last step's epilogue); X's storage is reused
+    as a work buffer. ``step``: ``"baddbmm"`` (cuBLAS, default on CUDA) or ``"triton"`` (default under the
     interpreter); overridable with env ``LMMS_OPTIM_NS_STEP``.
     """
     step = step or os.environ.get("LMMS_OPTIM_NS_STEP") or ("triton" if _INTERPRET else "baddbmm")
@@ -229,12 +251,16 @@ def ns_triton(
     A = torch.empty(nb, m, m, device=X.device, dtype=X.dtype)
     Bm = torch.empty_like(A)
     Y = torch.empty_like(X)
-    for a, b, c in coeffs:
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        s = scale if i == last else 1.0
         gram(X, out=A)  # A = X Xᵀ
         gram(A, epilogue=A, alpha=c, beta=b, out=Bm)  # B = c·A² + b·A
         if step == "triton":
-            fused_step(Bm, X, a, out=Y)
+            fused_step(Bm, X, a * s, alpha=s, out=Y)
+        elif nb == 1:  # 2-D cuBLAS call: less host time than a batch of one
+            torch.addmm(X[0], Bm[0], X[0], beta=a * s, alpha=s, out=Y[0])
         else:
-            torch.baddbmm(X, Bm, X, beta=a, alpha=1.0, out=Y)
+            torch.baddbmm(X, Bm, X, beta=a * s, alpha=s, out=Y)
         X, Y = Y, X
     return X
