@@ -44,7 +44,19 @@ def test_config_errors(cfg_path, tmp_path, capsys, monkeypatch):
 
 
 def test_sample_longer_than_packing_length(cfg_path, capsys):
-    _clean_failure([cfg_path, "dataset_config.packing_length=16"], capsys, "packing_length")
+    # default policy (skip): every sample is too long, so the bad-record ratio aborts the run
+    _clean_failure(
+        [cfg_path, "dataset_config.packing_length=16"],
+        capsys,
+        "(too_long=",
+        "raise dataset_config.packing_length",
+    )
+    # policy raise: stops at the first over-long sample, naming it, its length and where it is
+    _clean_failure(
+        [cfg_path, "dataset_config.packing_length=16", "dataset_config.bad_record_policy=raise"],
+        capsys, "[too_long]", "tokens > packing_length 16", ".parquet record ",
+        "raise dataset_config.packing_length",
+    )  # fmt: skip
 
 
 def test_cli_subprocess_exit_code(tmp_path):

@@ -21,3 +21,47 @@ def test_every_family_has_examples():
 def test_example_config_is_valid(path):
     cfg = load_config(path)
     assert cfg.trainer_args.max_steps > 0
+
+
+TINY = {  # each family's tiny CPU example
+    "qwen2": "qwen2/tiny_cpu.yaml",
+    "qwen3": "qwen3/tiny_cpu.yaml",
+    "qwen3_moe": "qwen3_moe/tiny_cpu.yaml",
+    "qwen2_5_vl": "qwen2_5_vl/tiny_cpu_muon.yaml",
+    "qwen3_vl": "qwen3_vl/tiny_cpu.yaml",
+}
+
+
+def test_every_family_has_a_tiny_cpu_example():
+    assert set(TINY) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_example_trains(family, tmp_path):
+    """Two steps of the family's tiny example through the trainer's Python API (in this process),
+    from a fresh folder: the synthetic data and the local tokenizer/processor are generated."""
+    import json
+    import math
+
+    import pyarrow.parquet as pq
+
+    from lmms_train import train
+
+    path = Path(__file__).resolve().parents[1] / "examples" / TINY[family]
+    data = tmp_path / "data"
+    cfg = load_config(path, [
+        f"model_config.processor_path={tmp_path / 'processor'}",
+        f"dataset_config.dataset_path={data}", "dataset_config.generate_synthetic.num_samples=48",
+        f"trainer_args.output_dir={tmp_path / 'out'}", "trainer_args.max_steps=2",
+        "trainer_args.save_steps=0", "trainer_args.eval_steps=0", "trainer_args.report_to=[]",
+    ])  # fmt: skip
+    train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2], rows
+    assert all(math.isfinite(r["loss"]) and 0 < r["loss"] < 10 for r in steps), steps
+    assert all(r["samples"] > 0 and r["bad_records"] == 0 for r in steps), steps
+    vl = family.endswith("_vl")
+    assert all((r["vision_tokens"] > 0) == vl for r in steps), steps
+    columns = set(pq.read_schema(next(data.glob("*.parquet"))).names)
+    assert ("images" in columns) == vl, columns  # text data for text models

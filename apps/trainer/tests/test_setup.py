@@ -63,3 +63,15 @@ def test_call_through_root_runs_hooks():
     m.register_forward_pre_hook(lambda mod, args: seen.append("pre"))
     assert call_through_root(m, lambda: 41 + 1) == 42
     assert seen == ["pre"] and m(torch.ones(1, 2)).shape == (1, 2)  # forward restored
+
+
+def test_every_model_family_has_a_data_processor():
+    """Each registered model spec's `processor_family` has an lmms_data processor; text-only
+    specs get the text processor (one class for all text families)."""
+    import lmms_data
+    from lmms_models import get_model_spec, list_models
+
+    for name in list_models():
+        spec = get_model_spec(name)
+        proc = lmms_data.PROCESSOR_REGISTRY.get(spec.processor_family)
+        assert (proc is lmms_data.QwenTextProcessor) == (not spec.media_keys), name

@@ -51,17 +51,7 @@ def prepare_inputs(cfg: TrainConfig, env: DistEnv, spec: Any) -> dict[str, int] 
             and isinstance(d.dataset_path, str)
             and not _exists(d.dataset_path)
         ):
-            from lmms_data import generate_synthetic_vl
-
-            g = d.generate_synthetic
-            out = (
-                d.dataset_path
-                if not Path(d.dataset_path).suffix
-                else str(Path(d.dataset_path).parent)
-            )
-            generate_synthetic_vl(
-                out, g.num_samples, format=g.format, seed=g.seed, image_size=g.image_size
-            )
+            _generate(d.generate_synthetic, d.dataset_path, spec)
         if m.build_local_processor and proc and not Path(proc).exists():
             from lmms_data import build_local_processor
 
@@ -72,15 +62,31 @@ def prepare_inputs(cfg: TrainConfig, env: DistEnv, spec: Any) -> dict[str, int] 
     env.barrier()
     if not (m.build_local_processor and proc):
         return None
-    return _token_ids(proc)
+    return _token_ids(proc, vision=bool(spec.media_keys))
 
 
-def _token_ids(path: str) -> dict[str, int]:
+def _generate(g: Any, dataset_path: str, spec: Any) -> None:
+    """Synthetic records of `g.kind` (default: `vl` for vision-language models, else `text`)."""
+    from lmms_data import generate_synthetic_text, generate_synthetic_vl
+
+    out = dataset_path if not Path(dataset_path).suffix else str(Path(dataset_path).parent)
+    kind = g.kind or ("vl" if spec.media_keys else "text")
+    if kind == "text":
+        generate_synthetic_text(out, g.num_samples, format=g.format, seed=g.seed)
+    else:
+        generate_synthetic_vl(
+            out, g.num_samples, format=g.format, seed=g.seed, image_size=g.image_size
+        )
+
+
+def _token_ids(path: str, *, vision: bool = True) -> dict[str, int]:
+    """Vocabulary size and special-token ids of a local tokenizer (vision tokens only for models
+    that take media: a text model's config has no use for them)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     ids = {"vocab_size": len(tok)}
-    for key, token in _TOKENS.items():
+    for key, token in _TOKENS.items() if vision else ():
         tid = tok.convert_tokens_to_ids(token)
         if isinstance(tid, int) and tid != tok.unk_token_id:
             ids[key] = tid
@@ -128,10 +134,16 @@ class TrainData:
             except (ValueError, RuntimeError) as exc:
                 if type(exc).__name__ in ("BadRecordRatioExceeded", "BadRecordError"):
                     lines = str(exc).splitlines()
-                    hint = next((ln.strip() for ln in lines[1:] if ln.strip()), "")
+                    example = next((ln.strip() for ln in lines[1:] if ln.strip()), "")
+                    head = lines[0].removesuffix("; last examples:")
+                    see = (
+                        "raise dataset_config.packing_length or shorten the samples; "
+                        if "too_long" in head
+                        else ""
+                    )
                     raise UserError(
-                        f"{lines[0]}{'; e.g. ' + hint if hint else ''} (see dataset_config."
-                        "bad_record_policy / max_bad_record_ratio / packing_length)"
+                        f"{head}{'; e.g. ' + example if example else ''} ({see}see dataset_config"
+                        ".bad_record_policy / max_bad_record_ratio / packing_length)"
                     ) from None
                 msg = str(exc)
                 if "longer than" in msg or "overlong" in msg or "capacity" in msg:

@@ -73,12 +73,18 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SyntheticDataConfig:
-    """Generate a deterministic synthetic vision-language dataset if `dataset_path` is missing."""
+    """Generate a deterministic synthetic dataset if `dataset_path` is missing."""
 
+    kind: Literal["vl", "text"] | None = _f(
+        None,
+        "`vl`: coloured-shape images with questions (`lmms_data.generate_synthetic_vl`); `text`: "
+        "text-only chats (sums, copy, reverse; `generate_synthetic_text`). Default: `vl` for "
+        "vision-language models, `text` for text-only ones.",
+    )
     num_samples: int = _f(256, "Number of records to generate.")
     format: Literal["parquet", "jsonl"] = _f("parquet", "File format of the generated dataset.")
     seed: int = _f(0, "Seed of the generator (same seed, same files).")
-    image_size: int = _f(64, "Side of the generated square images, in pixels.")
+    image_size: int = _f(64, "Side of the generated square images, in pixels (`vl` only).")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -121,13 +127,17 @@ class DatasetConfig:
     )
     packing_length: int = _f(
         4096,
-        "Tokens per packed row (the micro-batch size in tokens). A longer sample is an error.",
+        "Tokens per packed row (the micro-batch size in tokens). A longer sample is a bad record "
+        "of reason `too_long`: skipped and counted, or a clear error with "
+        "`bad_record_policy: raise`.",
     )
     max_open_bins: int = _f(
         8, "Open bins kept by the streaming packer (memory O(bins), never O(dataset))."
     )
     bad_record_policy: str = _f(
-        "skip", "Unreadable/invalid records: `skip` (counted, reported) or `raise`."
+        "skip",
+        "Unreadable/invalid/too long records: `skip` (counted, reported) or `raise` (stop at the "
+        "first, naming its reason and file location).",
     )
     max_bad_record_ratio: float = _f(
         0.1, "Abort when bad records exceed this fraction of those seen..."
