@@ -29,7 +29,15 @@ def dummy_vision():
 
 
 def build_parallel(
-    kind, dims, *, ac="none", param_dtype=None, freeze_vision=False, source=None, meta="lmms"
+    kind,
+    dims,
+    *,
+    ac="none",
+    param_dtype=None,
+    freeze_vision=False,
+    source=None,
+    meta="lmms",
+    cpu_offload=False,
 ):
     """Meta build -> AC -> FSDP2 -> materialize -> rank-0 load + broadcast."""
     if meta == "lmms":
@@ -43,7 +51,13 @@ def build_parallel(
     if freeze_vision:
         model.model.visual.requires_grad_(False)
     lp.apply_activation_checkpointing(dec + vis, ac)
-    lp.apply_fsdp(model, lp.fsdp_mesh(mesh), blocks=vis + dec + emb, param_dtype=param_dtype)
+    lp.apply_fsdp(
+        model,
+        lp.fsdp_mesh(mesh),
+        blocks=vis + dec + emb,
+        param_dtype=param_dtype,
+        cpu_offload=cpu_offload,
+    )
     lp.materialize(model, "cpu")
     if dist.get_rank() == 0 and source is None:
         source = T.build(kind, seed=0).state_dict()
@@ -322,7 +336,21 @@ def s2_frozen_vision_bf16(out: Path):
     }
 
 
+def s2_cpu_offload(out: Path):
+    """FSDP2 with CPU offload (sharded params, grads and optimizer state on the host)."""
+    rows = rows_for("qwen3", 2, steps=3, seed=1300)
+    model, mesh = build_parallel("qwen3", lp.ParallelDims(dp_shard=2), cpu_offload=True)
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    group = model.model.layers[0]._get_fsdp_state()._fsdp_param_group  # private: test-only check
+    assert isinstance(group.offload_policy, CPUOffloadPolicy), group.offload_policy
+    losses = train(model, mesh, "qwen3", rows, adamw(model), steps=3)
+    ref = T.reference_losses("qwen3", rows) if dist.get_rank() == 0 else None
+    return {"losses": losses, "ref": ref}
+
+
 SCENARIOS_2 = [
+    ("cpu_offload", s2_cpu_offload),
     ("reshard_resume", s2_reshard_resume),
     ("resume_muon", s2_resume_muon),
     ("export_vl", s2_export_vl),

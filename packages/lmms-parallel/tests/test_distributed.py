@@ -107,6 +107,11 @@ def test_hf_export_loads_in_transformers(world2):
     assert world2[0]["export_qwen3"]["max_logit_diff"] < 1e-5
 
 
+def test_cpu_offload_matches_single_process(world2):
+    r = world2[0]["cpu_offload"]
+    _close(r["losses"], r["ref"])
+
+
 def test_frozen_vision_tower_under_bf16(world2):
     for w in world2:
         r = w["frozen_vision_bf16"]

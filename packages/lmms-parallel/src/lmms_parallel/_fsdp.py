@@ -53,7 +53,8 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kwargs: dict = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory makes the host<->device copies asynchronous; it needs CUDA.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     shared = _shared_param_ids(model)
     for block in blocks:
         own = {id(p) for p in block.parameters()}
