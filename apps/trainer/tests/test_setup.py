@@ -75,3 +75,12 @@ def test_every_model_family_has_a_data_processor():
         spec = get_model_spec(name)
         proc = lmms_data.PROCESSOR_REGISTRY.get(spec.processor_family)
         assert (proc is lmms_data.QwenTextProcessor) == (not spec.media_keys), name
+
+
+def test_cpu_offload_without_fsdp_is_an_error(tiny):
+    from lmms_train._dist import DistEnv
+    from lmms_train._model_setup import build_model
+
+    spec, _, _ = tiny
+    with pytest.raises(ConfigError, match="fsdp_cpu_offload needs FSDP"):
+        build_model(_cfg(fsdp_cpu_offload=True), DistEnv(), spec, None)

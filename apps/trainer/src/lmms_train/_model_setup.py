@@ -143,6 +143,11 @@ def build_model(
 ) -> BuiltModel:
     """Build and parallelise the model for this rank."""
     m, t = cfg.model_config, cfg.trainer_args
+    if t.fsdp_cpu_offload and not (env.distributed and t.fsdp):
+        raise ConfigError(
+            "trainer_args.fsdp_cpu_offload needs FSDP: set trainer_args.fsdp: true and launch "
+            "with torchrun (one process runs without FSDP)"
+        )
     handles: list[Any] = []
     meta = env.distributed and m.load_from_pretrained_path is not None
     attn = t.attn_backend if t.use_rmpad else "sdpa"
@@ -191,6 +196,7 @@ def build_model(
             blocks=blocks,
             param_dtype=torch.bfloat16 if t.bf16 else None,
             reshard_after_forward=t.reshard_after_forward,
+            cpu_offload=t.fsdp_cpu_offload,
         )
         if meta:
             from lmms_parallel import load_full_state_dict, materialize

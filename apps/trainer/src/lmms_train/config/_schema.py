@@ -239,6 +239,11 @@ class TrainerArgs:
     reshard_after_forward: bool = _f(
         True, "FSDP2: free gathered parameters after forward (ZeRO-3)."
     )
+    fsdp_cpu_offload: bool = _f(
+        False,
+        "FSDP2: keep sharded parameters, gradients and optimizer state in host memory (slow; "
+        "for models that do not fit otherwise).",
+    )
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "`auto`: CUDA if available, else CPU.")
     # evaluation
     eval_steps: int = _f(
