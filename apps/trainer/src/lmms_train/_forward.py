@@ -17,7 +17,6 @@ Wraps the model spec's packed forward with three run-time concerns the spec does
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -38,47 +37,6 @@ def call_through_root(model: nn.Module, fn: Callable[[], Any]) -> Any:
         return model()
     finally:
         del model.forward
-
-
-def _sp_packed_forward(
-    spec: Any, model: nn.Module, batch: dict[str, Any], group: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec's packed forward with this rank's slice of the row (hooks installed by setup)."""
-    from lmms_kernels import fused_linear_cross_entropy
-    from lmms_models import shift_labels_packed, text_attention_kwargs
-    from lmms_parallel import sp_reduce_loss, sp_shard_labels
-
-    head = spec.lm_head(model)
-    dev = head.weight.device
-    input_ids = batch["input_ids"].to(dev).reshape(1, -1)  # [1, T]
-    n_tokens = input_ids.shape[1]
-    cu = batch["cu_seqlens"].to(dev, torch.int32)  # [n+1]
-    max_len = int(batch["max_seqlen"])
-    if "shift_labels" in batch:
-        shift = batch["shift_labels"].to(dev).reshape(-1)  # [T]
-    else:
-        shift = shift_labels_packed(batch["labels"].to(dev).reshape(-1), cu)
-    inputs: dict[str, Any] = {
-        "input_ids": input_ids,
-        "position_ids": spec.pack_position_ids(batch, n_tokens, dev),
-        "attention_mask": None,
-        "use_cache": False,
-    }
-    inputs.update(spec.media_inputs(batch, dev))
-    kwargs = {
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "max_length_q": max_len,
-        "max_length_k": max_len,
-    }
-    with text_attention_kwargs(spec.sp_slice_module(model), **kwargs):
-        out = spec.base_model(model)(**inputs)
-    hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # [T_pad/sp, H]
-    if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
-        hidden = hidden.to(torch.get_autocast_dtype("cuda"))
-    local = sp_shard_labels(shift, group)  # [T_pad/sp]
-    loss_sum, n = fused_linear_cross_entropy(hidden, head.weight, local, bias=head.bias)
-    return sp_reduce_loss(loss_sum, n, group)
 
 
 def _dummy_vision_inputs(
@@ -116,16 +74,13 @@ def make_forward(spec: Any, model: nn.Module, env: DistEnv) -> Forward:
 
         group = sp_group(env.mesh)
         SequenceParallel(spec.sp_slice_module(model), group).install()
-    native_sp = "sp_group" in inspect.signature(spec.packed_forward).parameters
 
     # No explicit ensure_vision_participation here: the hook above runs the dummy where the
     # peers run the tower; a call before the forward would put its all-gathers first.
     def packed(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         if group is None:
             return spec.packed_forward(model, batch)
-        if native_sp:
-            return spec.packed_forward(model, batch, sp_group=group)
-        return _sp_packed_forward(spec, model, batch, group)
+        return spec.packed_forward(model, batch, sp_group=group)
 
     def forward(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return call_through_root(model, lambda: packed(model, batch))

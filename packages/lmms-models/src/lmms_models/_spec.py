@@ -144,7 +144,9 @@ class ModelSpec:
         return set_attention(model, self.vision_tower(model), backend=backend, wrapper=wrapper)
 
     # ---------------------------------------------------------------- packed forward
-    def packed_forward(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    def packed_forward(
+        self, model: nn.Module, batch: dict[str, Any], *, sp_group: Any = None
+    ) -> tuple[torch.Tensor, ...]:
         """Forward one packed row; return ``(loss_sum fp32 scalar, n_loss_tokens int64 scalar)``.
 
         The upstream base model runs on ``input_ids [1, T]`` with ``attention_mask=None``,
@@ -152,6 +154,11 @@ class ModelSpec:
         reach the text decoder's attention as transformers' flash keyword arguments. The loss is
         ``lmms_kernels.fused_linear_cross_entropy`` on the last hidden state and the LM head weight,
         so ``[T, vocab]`` logits never exist. Divide by the global token count outside.
+
+        ``sp_group``: Ulysses sequence parallel. The caller has installed lmms_parallel's
+        ``SequenceParallel`` hook on ``sp_slice_module`` (so the decoder sees this rank's slice of
+        the row) and the Ulysses attention wrapper; the loss is taken on the matching slice of the
+        labels and its sum and count are reduced over the group (gradients pass through unchanged).
         """
         from lmms_kernels import fused_linear_cross_entropy
 
@@ -180,10 +187,16 @@ class ModelSpec:
         }
         with text_attention_kwargs(self.sp_slice_module(model), **flash_kwargs):
             out = self.base_model(model)(**inputs)
-        hidden = out.last_hidden_state.reshape(n_tokens, -1)  # [T, H]
+        hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # [T(/sp), H]
         if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
             hidden = hidden.to(torch.get_autocast_dtype("cuda"))  # upstream norms return fp32
-        return fused_linear_cross_entropy(hidden, head.weight, shift, bias=head.bias)
+        if sp_group is None:
+            return fused_linear_cross_entropy(hidden, head.weight, shift, bias=head.bias)
+        from lmms_parallel import sp_reduce_loss, sp_shard_labels
+
+        local = sp_shard_labels(shift, sp_group)  # [T_pad/sp], this rank's slice
+        loss_sum, n = fused_linear_cross_entropy(hidden, head.weight, local, bias=head.bias)
+        return sp_reduce_loss(loss_sum, n, sp_group)
 
     def pack_position_ids(
         self, batch: dict[str, Any], n_tokens: int, device: torch.device
