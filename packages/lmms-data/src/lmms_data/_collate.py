@@ -44,7 +44,12 @@ def collate_packed_batch(
     row["vision_tokens"] = int(sum(int(s.get("vision_tokens", 0)) for s in samples))
     if not as_torch:
         return row
-    import torch
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "torch tensors from collate_packed_batch need torch: pip install 'lmms-data[torch]'"
+        ) from exc
 
     return {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
             for k, v in row.items()}  # fmt: skip
