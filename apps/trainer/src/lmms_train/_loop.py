@@ -22,7 +22,9 @@ from lmms_train._step import (
     PhaseTimer,
     Timer,
     batch_stats,
+    grad_norm,
     move_batch,
+    read_scalars,
     run_micro_batches,
 )
 from lmms_train.config import TrainConfig
@@ -72,16 +74,6 @@ def _peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return kb / 2**20
-
-
-def _grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
 
 
 def evaluate(run: Run) -> float:
@@ -150,18 +142,19 @@ def train_loop(run: Run) -> dict[str, Any]:
                 autocast_dtype=run.autocast_dtype,
                 phases=phases,
             )
-            grad_norm = _grad_norm(run.model, t.max_grad_norm)
+            norm = grad_norm(run.model, t.max_grad_norm, env.device)
             lr = run.scheduler.get_last_lr()[0]
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
             phases.mark("optimizer")  # clipping, optimizer step, scheduler
+            loss_local_f, norm_f = read_scalars(loss_local, norm)  # the step's one D2H copy
             local_bad = int(run.data.bad_records()) if hasattr(run.data, "bad_records") else 0
-            loss_sum, bad = env.all_reduce([float(loss_local), float(local_bad)])
+            loss_sum, bad = env.all_reduce([loss_local_f, float(local_bad)])  # no-ops on 1 rank
             seq_max, neg_min = env.all_reduce(
                 [float(max(lens, default=0)), -float(min(lens, default=0))], op="max"
             )
-            dt = timer.now() - t0
+            dt = timer.stop() - t0
             run.state.step += 1
             run.state.tokens_seen += int(per_sp["tokens"])
             run.state.samples_seen += int(per_sp["samples"])
@@ -169,7 +162,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             metrics: dict[str, Any] = {
                 "loss": loss_sum / env.sp / max(global_count, 1.0),
                 "lr": lr,
-                "grad_norm": grad_norm,
+                "grad_norm": norm_f,
                 "tokens_per_sec": per_sp["tokens"] / dt,
                 "mfu": mfu(flops_total, dt, env.world_size, run.peak_flops),
                 "mfu_lm": mfu(per_sp["flops_lm"], dt, env.world_size, run.peak_flops),

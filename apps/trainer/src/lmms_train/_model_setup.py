@@ -143,13 +143,10 @@ def build_model(
 ) -> BuiltModel:
     """Build and parallelise the model for this rank."""
     m, t = cfg.model_config, cfg.trainer_args
-    if t.fsdp_cpu_offload and not (env.distributed and t.fsdp):
-        raise ConfigError(
-            "trainer_args.fsdp_cpu_offload needs FSDP: set trainer_args.fsdp: true and launch "
-            "with torchrun (one process runs without FSDP)"
-        )
+    if t.fsdp_cpu_offload and not env.fsdp:
+        raise ConfigError("trainer_args.fsdp_cpu_offload needs FSDP: set trainer_args.fsdp: true")
     handles: list[Any] = []
-    meta = env.distributed and m.load_from_pretrained_path is not None
+    meta = env.fsdp and m.load_from_pretrained_path is not None
     attn = t.attn_backend if t.use_rmpad else "sdpa"
     try:
         if m.load_from_config is not None:
@@ -186,7 +183,7 @@ def build_model(
 
         blocks = spec.decoder_blocks(model) + spec.vision_blocks(model)
         handles.append(apply_activation_checkpointing(blocks, mode=t.activation_checkpointing))
-    if env.distributed:
+    if env.fsdp:
         from lmms_parallel import apply_fsdp, fsdp_mesh
 
         blocks = spec.vision_blocks(model) + spec.decoder_blocks(model) + spec.embeddings(model)

@@ -6,18 +6,33 @@ all-reduced once, and each micro-batch's backward runs on `loss_sum * grad_scale
 where `grad_scale` undoes the averaging the gradient reduction does (FSDP2 averages over its
 mesh). So GA, DP world size, packing and SP never change the loss or the gradient. Gradients are
 reduced only after the last micro-batch (`set_requires_gradient_sync(False)` before).
+
+Host synchronisation: the micro-batch losses are summed on the device, the grad norm stays a
+device tensor, and the loop reads both with one device-to-host copy (`read_scalars`) after the
+optimizer step is queued. That copy waits for the whole step's work, so it is the step's only
+synchronisation and the end of its timing (`Timer.stop`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["PhaseTimer", "StepStats", "batch_stats", "move_batch", "run_micro_batches"]
+__all__ = [
+    "PhaseTimer",
+    "StepStats",
+    "Timer",
+    "batch_stats",
+    "grad_norm",
+    "move_batch",
+    "read_scalars",
+    "run_micro_batches",
+]
 
 # Per-step sums all-reduced in one call (order matters: see `batch_stats`).
 STAT_KEYS = (
@@ -93,10 +108,11 @@ def run_micro_batches(
     autocast_dtype: torch.dtype | None,
     phases: PhaseTimer | None = None,
 ) -> torch.Tensor:
-    """Forward+backward every micro-batch; returns this rank's summed (unscaled) loss."""
+    """Forward+backward every micro-batch; returns this rank's summed (unscaled) loss as a
+    float64 tensor on `device` (never read here: no host synchronisation per micro-batch)."""
     phases = phases or PhaseTimer(enabled=False, device=device)
     can_toggle = hasattr(model, "set_requires_gradient_sync")
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         if can_toggle:
@@ -113,8 +129,27 @@ def run_micro_batches(
         phases.mark("forward")
         (loss_sum.float() * scale).backward()
         phases.mark("backward")
-        total += loss_sum.detach().to("cpu", torch.float64)
+        total += loss_sum.detach().to(torch.float64)
     return total
+
+
+def grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device) -> torch.Tensor:
+    """Clip the global gradient norm (0: no clipping); returns the norm as a device tensor."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros((), device=device)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: all-reduced on the device
+        norm = norm.full_tensor()
+    return norm
+
+
+def read_scalars(*values: torch.Tensor) -> list[float]:
+    """Device scalars to Python floats in one device-to-host copy (float64 holds a float32
+    exactly, so each value equals `float(value)`)."""
+    device = values[0].device
+    stacked = torch.stack([v.detach().to(device, torch.float64).reshape(()) for v in values])
+    return stacked.tolist()
 
 
 class PhaseTimer:
@@ -149,12 +184,22 @@ class PhaseTimer:
 
 
 class Timer:
-    """Wall-clock timer that synchronises CUDA so device work is counted."""
+    """Wall-clock step timer with one synchronisation, at the end of the step.
+
+    `now()` never synchronises: a step starts after the previous step's `stop()`, when the
+    device is idle, so host readings during the step (e.g. after fetching data, host-only work)
+    are correct. `stop()` waits for the device (CUDA) and reads the clock; it follows the step's
+    `read_scalars` copy, which has already waited for the stream, so it costs ~nothing more but
+    also covers work on side streams (FSDP2's reduce-scatter).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def now(self) -> float:
+        return time.perf_counter()
+
+    def stop(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()

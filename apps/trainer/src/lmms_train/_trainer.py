@@ -42,7 +42,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _build_mesh(cfg: TrainConfig, env: DistEnv) -> None:
-    if not env.distributed:
+    if not env.fsdp:
         return
     from lmms_parallel import ParallelDims
 
@@ -130,7 +130,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         logger=logger,
         state=state,
         peak_flops=peak_flops_for(env.device, t.peak_flops),
-        autocast_dtype=torch.bfloat16 if (t.bf16 and not env.distributed) else None,
+        autocast_dtype=torch.bfloat16 if (t.bf16 and not env.fsdp) else None,  # else FSDP's bf16
     )
     try:
         last = train_loop(run)

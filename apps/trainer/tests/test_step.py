@@ -1,0 +1,74 @@
+"""The step keeps losses and the grad norm on the device: run on the meta device, any host
+read (`.item()`, `.to("cpu")`, `float()`) raises, so these tests fail if one comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmms_train._step import Timer, grad_norm, read_scalars, run_micro_batches
+
+META = torch.device("meta")
+
+
+def _model_and_forward():
+    model = torch.nn.Linear(4, 3, device=META)
+
+    def forward(model, batch):
+        out = model(batch["x"])  # [T, 3]
+        return out.sum(), torch.tensor(out.shape[0])
+
+    return model, forward
+
+
+def test_micro_batch_losses_stay_on_device():
+    model, forward = _model_and_forward()
+    batches = [{"x": torch.randn(5, 4)} for _ in range(3)]  # moved to meta by the step
+    total = run_micro_batches(
+        model=model, forward=forward, batches=batches, device=META, scale=0.5,
+        autocast_dtype=None,
+    )  # fmt: skip
+    assert total.device == META and total.dtype == torch.float64
+    assert model.weight.grad is not None
+
+
+def test_grad_norm_stays_on_device():
+    model, forward = _model_and_forward()
+    forward(model, {"x": torch.randn(5, 4, device=META)})[0].backward()
+    norm = grad_norm(model, 1.0, META)
+    assert norm.device == META
+    assert grad_norm(torch.nn.Linear(2, 2), 1.0, torch.device("cpu")).item() == 0.0  # no grads
+
+
+def test_read_scalars_equals_float_of_each():
+    loss = torch.tensor(1.2345678901234567, dtype=torch.float64)
+    norm = torch.tensor(0.1, dtype=torch.float32)  # not exact in binary: float32 rounding kept
+    assert read_scalars(loss, norm) == [float(loss), float(norm)]
+
+
+def test_micro_batch_sum_equals_per_batch_host_sum():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    batches = [{"x": torch.randn(7, 4)} for _ in range(3)]
+
+    def forward(model, batch):
+        return model(batch["x"]).pow(2).sum(), torch.tensor(7)
+
+    total = run_micro_batches(
+        model=model, forward=forward, batches=batches, device=torch.device("cpu"), scale=1.0,
+        autocast_dtype=None,
+    )  # fmt: skip
+    with torch.no_grad():
+        ref = sum(float(forward(model, b)[0].to(torch.float64)) for b in batches)
+    assert float(total) == pytest.approx(ref, rel=0, abs=0)
+
+
+def test_timer_now_does_not_synchronise(monkeypatch):
+    def boom(*_a, **_k):
+        raise AssertionError("now() synchronised")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", boom)
+    timer = Timer(torch.device("cuda", 0))
+    timer.now()
+    with pytest.raises(AssertionError):
+        timer.stop()  # the one synchronisation, at the end of a step

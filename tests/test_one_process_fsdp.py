@@ -1,0 +1,105 @@
+"""One process runs the same FSDP2 path as torchrun (bf16 from MixedPrecisionPolicy, not
+autocast) and the steady-state step reads the device once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from e2e_helpers import tiny_config
+
+import lmms_train._loop as loop
+import lmms_train._trainer as trainer
+from lmms_train import train
+from lmms_train._metrics import read_jsonl
+from lmms_train.config import config_from_dict
+
+_TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch):
+    for var in _TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def _spy_run(monkeypatch) -> dict:
+    """Record what the loop gets: parameter types, autocast, compute dtype of a block."""
+    seen: dict = {"block_dtypes": set()}
+    original = trainer.train_loop
+
+    def spy(run):
+        from torch.distributed.tensor import DTensor
+
+        seen["dtensor"] = all(isinstance(p, DTensor) for p in run.model.parameters())
+        seen["master"] = {p.dtype for p in run.model.parameters()}
+        seen["autocast"] = run.autocast_dtype
+        block = run.spec.decoder_blocks(run.model)[0]
+        linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
+
+        def hook(mod, args):  # inside the block: FSDP2 has swapped in the compute weight
+            seen["block_dtypes"].add(mod.weight.dtype)
+
+        linear.register_forward_pre_hook(hook)
+        seen["group"] = torch.distributed.is_initialized()
+        return original(run)
+
+    monkeypatch.setattr(trainer, "train_loop", spy)
+    return seen
+
+
+def test_one_process_bf16_goes_through_fsdp(tiny_inputs, tmp_path, monkeypatch, no_torchrun):
+    seen = _spy_run(monkeypatch)
+    cfg = tiny_config(tiny_inputs, tmp_path / "run", max_steps=2, save_final=False, bf16=True)
+    last = train(config_from_dict(cfg))
+    assert seen["group"] and seen["dtensor"], seen
+    assert seen["autocast"] is None  # bf16 comes from FSDP2's MixedPrecisionPolicy
+    assert seen["master"] == {torch.float32}  # fp32 master weights
+    assert torch.bfloat16 in seen["block_dtypes"], seen["block_dtypes"]
+    assert not torch.distributed.is_initialized()  # the run's own 1-rank group is destroyed
+    assert torch.isfinite(torch.tensor(last["loss"]))
+
+
+def test_fsdp_false_is_plain_autocast(tiny_inputs, tmp_path, monkeypatch, no_torchrun):
+    seen = _spy_run(monkeypatch)
+    cfg = tiny_config(
+        tiny_inputs, tmp_path / "run", max_steps=1, save_final=False, bf16=True, fsdp=False
+    )
+    train(config_from_dict(cfg))
+    assert not seen["group"] and not seen["dtensor"]
+    assert seen["autocast"] is torch.bfloat16
+
+
+def test_one_process_fsdp_equals_plain_fp32(tiny_inputs, tmp_path, no_torchrun):
+    """fp32 on one process: FSDP2 on a 1-rank group changes nothing in the losses."""
+    losses = {}
+    for fsdp in (True, False):
+        out = tmp_path / f"fsdp_{fsdp}"
+        cfg = tiny_config(tiny_inputs, out, max_steps=3, save_final=False, fsdp=fsdp)
+        train(config_from_dict(cfg))
+        rows = read_jsonl(out / "metrics.jsonl")
+        losses[fsdp] = [r[k] for r in rows for k in ("loss", "grad_norm")]
+    assert len(losses[True]) == 6
+    assert losses[True] == pytest.approx(losses[False], rel=2e-5, abs=1e-6)
+
+
+def test_one_device_read_per_step(tiny_inputs, tmp_path, monkeypatch, no_torchrun):
+    calls = {"read": 0, "stop": 0, "to_cpu": 0}
+    read, stop = loop.read_scalars, loop.Timer.stop
+
+    def counting_read(*values):
+        calls["read"] += 1
+        return read(*values)
+
+    def counting_stop(self):
+        calls["stop"] += 1
+        return stop(self)
+
+    monkeypatch.setattr(loop, "read_scalars", counting_read)
+    monkeypatch.setattr(loop.Timer, "stop", counting_stop)
+    steps = 3
+    cfg = tiny_config(
+        tiny_inputs, tmp_path / "run", max_steps=steps, save_final=False,
+        gradient_accumulation_steps=2,
+    )  # fmt: skip
+    train(config_from_dict(cfg))
+    assert calls["read"] == steps and calls["stop"] == steps, calls
