@@ -84,3 +84,51 @@ def test_cpu_offload_without_fsdp_is_an_error(tiny):
     spec, _, _ = tiny
     with pytest.raises(ConfigError, match="fsdp_cpu_offload needs FSDP"):
         build_model(_cfg(fsdp_cpu_offload=True), DistEnv(), spec, None)
+
+
+def test_ac_block_selection():
+    from lmms_train._model_setup import select_blocks
+
+    blocks = list(range(8))
+    assert select_blocks(blocks, 0.5) == [1, 3, 5, 7]  # every other block
+    assert select_blocks(blocks, 0.25) == [3, 7]
+    assert select_blocks(blocks, 1.0) == blocks and select_blocks(blocks, 0.0) == []
+    assert len(select_blocks(list(range(36)), 0.5)) == 18
+
+
+@pytest.mark.parametrize(
+    ("keys", "decoder", "vision"),
+    [
+        ({"activation_checkpointing": "full"}, "all", "all"),
+        ({"activation_checkpointing": "full", "activation_checkpointing_fraction": 0.5},
+         "half", "half"),
+        ({"activation_checkpointing": "full", "activation_checkpointing_fraction": 0.5,
+          "vision_activation_checkpointing": "none"}, "half", "none"),
+        ({"activation_checkpointing": "none", "vision_activation_checkpointing": "selective"},
+         "none", "all"),
+    ],
+)  # fmt: skip
+def test_ac_per_tower(keys, decoder, vision):
+    from lmms_models import get_model_spec
+    from lmms_train._model_setup import _apply_ac
+
+    spec = get_model_spec("qwen2_5_vl")
+    conf = model_config_dict(_cfg(), spec, {"vocab_size": 1100})
+    conf["text_config"]["num_hidden_layers"] = 4
+    conf["vision_config"]["depth"] = 4
+    model = spec.build(config=conf, attn_backend="sdpa")
+    handles = _apply_ac(model, spec, _cfg(**keys).trainer_args)
+    want = {"all": [True] * 4, "half": [False, True, False, True], "none": [False] * 4}
+    for tower, expected in (("decoder_blocks", decoder), ("vision_blocks", vision)):
+        got = ["forward" in b.__dict__ for b in getattr(spec, tower)(model)]
+        assert got == want[expected], (tower, got)
+    for h in handles:
+        h.remove()
+    assert not any("forward" in b.__dict__ for b in spec.decoder_blocks(model))
+
+
+def test_ac_values_are_checked():
+    with pytest.raises(ConfigError, match="activation_checkpointing_fraction must be in"):
+        _cfg(activation_checkpointing_fraction=1.5)
+    with pytest.raises(ConfigError, match="vision_activation_checkpointing"):
+        _cfg(vision_activation_checkpointing="half")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from lmms_train._dist import DistEnv
 from lmms_train._errors import ConfigError, UserError, suggest
 from lmms_train.config import TrainConfig
 
-__all__ = ["BuiltModel", "build_model", "deep_merge", "resolve_spec"]
+__all__ = ["BuiltModel", "ac_plan", "build_model", "deep_merge", "resolve_spec", "select_blocks"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -178,11 +179,7 @@ def build_model(
 
         wrapper = UlyssesAttention(sp_group(env.mesh))
         spec.set_attention(model, backend=attn, wrapper=wrapper)  # inputs are sliced in _forward
-    if t.activation_checkpointing != "none":
-        from lmms_parallel import apply_activation_checkpointing
-
-        blocks = spec.decoder_blocks(model) + spec.vision_blocks(model)
-        handles.append(apply_activation_checkpointing(blocks, mode=t.activation_checkpointing))
+    handles += _apply_ac(model, spec, t)
     if env.fsdp:
         from lmms_parallel import apply_fsdp, fsdp_mesh
 
@@ -201,6 +198,41 @@ def build_model(
             materialize(model, env.device)
             load_full_state_dict(model, m.load_from_pretrained_path)
     return BuiltModel(spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles)
+
+
+def select_blocks(blocks: list[nn.Module], fraction: float) -> list[nn.Module]:
+    """`fraction` of `blocks`, spread evenly: 0.5 takes every other block (1, 3, 5, ...),
+    0.25 every fourth, 1.0 all, 0.0 none.
+
+    Why spread rather than the first k: the memory saved is the same (each checkpointed block
+    frees its saved activations wherever it sits), but the benchmark that measured the
+    trade-off (benchmarks/models/bench_packed.py `select_blocks`) spreads them, so its numbers
+    apply as is, and the recompute is spread evenly over backward instead of bunched at its end.
+    """
+    return [
+        b for i, b in enumerate(blocks) if math.floor((i + 1) * fraction) > math.floor(i * fraction)
+    ]
+
+
+def ac_plan(t: Any) -> dict[str, tuple[str, float]]:
+    """`{"decoder": (mode, fraction), "vision": (mode, fraction)}` from `trainer_args`."""
+    lm = (t.activation_checkpointing, t.activation_checkpointing_fraction)
+    vis_mode = t.vision_activation_checkpointing
+    vision = lm if vis_mode == "same" else (vis_mode, 1.0)
+    return {"decoder": lm, "vision": vision}
+
+
+def _apply_ac(model: nn.Module, spec: Any, t: Any) -> list[Any]:
+    """Activation checkpointing of the chosen decoder and vision blocks (before FSDP)."""
+    from lmms_parallel import apply_activation_checkpointing
+
+    handles = []
+    towers = {"decoder": spec.decoder_blocks(model), "vision": spec.vision_blocks(model)}
+    for tower, (mode, fraction) in ac_plan(t).items():
+        chosen = select_blocks(list(towers[tower]), fraction)
+        if mode != "none" and chosen:
+            handles.append(apply_activation_checkpointing(chosen, mode=mode))
+    return handles
 
 
 def _apply_liger(model: nn.Module, spec: Any, env: DistEnv) -> Any:

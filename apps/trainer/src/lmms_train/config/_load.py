@@ -215,6 +215,11 @@ def validate(cfg: TrainConfig) -> None:
             f"trainer_args.report_to: unknown sink {s!r}{suggest(s, sinks)}; choose from {', '.join(sinks)}",
         )
     _check(t.peak_flops is None or t.peak_flops > 0, "trainer_args.peak_flops must be > 0")
+    _check(
+        0.0 <= t.activation_checkpointing_fraction <= 1.0,
+        "trainer_args.activation_checkpointing_fraction must be in [0, 1], got "
+        f"{t.activation_checkpointing_fraction!r}",
+    )
 
 
 def config_to_dict(cfg: Any) -> Any:

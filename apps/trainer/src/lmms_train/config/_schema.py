@@ -222,7 +222,20 @@ class TrainerArgs:
         "Varlen attention backend of `lmms_kernels` (`auto`, `fa4`, `fa`, `torch`, `flex`, `sdpa`).",
     )
     activation_checkpointing: Literal["none", "full", "selective"] = _f(
-        "none", "Recompute activations per block in backward to save memory."
+        "none",
+        "Recompute activations per decoder block in backward to save memory: `full` (keep only "
+        "the block input), `selective` (keep matmul/attention outputs) or `none`.",
+    )
+    activation_checkpointing_fraction: float = _f(
+        1.0,
+        "Fraction of decoder blocks checkpointed, in [0, 1], spread evenly (0.5: every other "
+        "block, the measured layout); also of the vision blocks with "
+        "`vision_activation_checkpointing: same`.",
+    )
+    vision_activation_checkpointing: Literal["same", "none", "full", "selective"] = _f(
+        "same",
+        "Vision blocks: `same` (decoder mode and fraction) or their own mode on every vision "
+        "block (`none` measured fastest at 16k on an H200).",
     )
     freeze: list[str] = _f(
         [],
