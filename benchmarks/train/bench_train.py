@@ -15,6 +15,8 @@ weights with bf16 autocast, gradient checkpointing, fused AdamW; with and withou
     python benchmarks/train/bench_train.py                      # every case (GPU, ~8 min)
     python benchmarks/train/bench_train.py --cases vl3b_16k hf_sdpa_liger
     python benchmarks/train/bench_train.py --tiny               # plumbing check on CPU
+    python benchmarks/train/bench_train.py --cases vl3b_16k --ac-fraction 0.5 --vision-ac none
+                                       # the layout measured best by bench_packed at 16k
 
 Prints one JSON line per case and a table last; writes bench_train.json to $OUT if set.
 """
@@ -184,6 +186,8 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "use_liger_kernel": not args.tiny,
             "attn_backend": "auto",
             "activation_checkpointing": args.ac,
+            "activation_checkpointing_fraction": args.ac_fraction,
+            "vision_activation_checkpointing": args.vision_ac,
             "save_final": False,
             "report_to": [],
             "profile_step_breakdown": True,
@@ -368,6 +372,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="measured steps per case")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--ac", default="full", choices=["none", "full", "selective"])
+    p.add_argument(
+        "--ac-fraction",
+        type=float,
+        default=1.0,
+        help="trainer_args.activation_checkpointing_fraction: share of decoder blocks "
+        "checkpointed, spread evenly (0.5 = every other block)",
+    )
+    p.add_argument(
+        "--vision-ac",
+        default="same",
+        choices=["same", "none", "full", "selective"],
+        help="trainer_args.vision_activation_checkpointing (same: --ac and --ac-fraction)",
+    )
     p.add_argument("--records", type=int, default=3000)
     p.add_argument("--work", default="/tmp/lmms-bench-train")
     p.add_argument("--case-timeout", type=int, default=400)
