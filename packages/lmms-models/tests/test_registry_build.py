@@ -78,3 +78,17 @@ def test_attention_switch_sets_both_towers():
     )
     spec.set_attention(model, backend="eager")
     assert spec.vision_tower(model).config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_dummy_vision_inputs_run_the_tower(name):
+    spec = get_model_spec(name)
+    torch.manual_seed(0)
+    model = spec.build(config=spec.tiny_config(), attn_backend="sdpa")
+    tower = spec.vision_tower(model)
+    inputs = spec.dummy_vision_inputs(model, torch.device("cpu"))
+    out = tower(**inputs)
+    merged = out.pooler_output if hasattr(out, "pooler_output") else out[0]
+    # one merged token of the language model's width
+    assert merged.shape == (1, model.config.text_config.hidden_size)
+    assert inputs["grid_thw"].tolist() == [[1, 2, 2]]

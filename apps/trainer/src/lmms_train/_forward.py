@@ -39,27 +39,6 @@ def call_through_root(model: nn.Module, fn: Callable[[], Any]) -> Any:
         del model.forward
 
 
-def _dummy_vision_inputs(
-    spec: Any, model: nn.Module, device: torch.device
-) -> Callable[[], dict[str, Any]]:
-    """One 2x2-patch image for a Qwen-VL vision tower (the smallest valid input)."""
-    hook = getattr(spec, "dummy_vision_inputs", None)
-    if hook is not None:
-        return lambda: hook(model, device)
-    vc = getattr(model.config, "vision_config", None)
-    patch = getattr(vc, "patch_size", 14)
-    tp = getattr(vc, "temporal_patch_size", 2)
-    chans = getattr(vc, "in_channels", getattr(vc, "in_chans", 3))
-    merge = getattr(vc, "spatial_merge_size", 2)
-
-    def make() -> dict[str, Any]:
-        grid = torch.tensor([[1, merge, merge]], device=device)
-        pixels = torch.zeros(merge * merge, chans * tp * patch * patch, device=device)
-        return {"hidden_states": pixels, "grid_thw": grid}
-
-    return make
-
-
 def make_forward(spec: Any, model: nn.Module, env: DistEnv) -> Forward:
     """The forward for this run's layout (plain, FSDP, SP)."""
     group = None
@@ -67,7 +46,9 @@ def make_forward(spec: Any, model: nn.Module, env: DistEnv) -> Forward:
     if tower is not None:  # before SequenceParallel on the same module (lmms_parallel's order)
         from lmms_parallel import VisionParticipation
 
-        dummy = _dummy_vision_inputs(spec, model, env.device)
+        def dummy() -> dict[str, Any]:
+            return spec.dummy_vision_inputs(model, env.device)
+
         VisionParticipation(spec.sp_slice_module(model), tower, dummy).install()
     if env.sp > 1:
         from lmms_parallel import SequenceParallel, sp_group

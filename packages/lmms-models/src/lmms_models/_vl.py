@@ -52,6 +52,22 @@ class QwenVLSpec(ModelSpec):
         out[input_ids == config.video_token_id] = 2
         return out
 
+    def dummy_vision_inputs(self, model: nn.Module, device: torch.device) -> dict[str, Any]:
+        """The smallest valid vision-tower input: one image of one merged token (2x2 patches).
+
+        Ranks whose pack has no media run the tower on this so FSDP's collectives stay in step
+        (lmms_parallel.VisionParticipation). Keys are the tower's own forward arguments.
+        """
+        vc = model.config.vision_config
+        merge = vc.spatial_merge_size
+        chans = getattr(vc, "in_channels", getattr(vc, "in_chans", 3))
+        width = chans * vc.temporal_patch_size * vc.patch_size**2
+        dtype = next(self.vision_tower(model).parameters()).dtype
+        return {
+            "hidden_states": torch.zeros(merge * merge, width, device=device, dtype=dtype),
+            "grid_thw": torch.tensor([[1, merge, merge]], device=device),
+        }
+
     def sample_position_ids(
         self, model: nn.Module, input_ids: torch.Tensor, **media: Any
     ) -> torch.Tensor:
