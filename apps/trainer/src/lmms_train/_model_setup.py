@@ -1,8 +1,9 @@
 """Model set-up: spec lookup, config assembly, build, freeze, kernels, AC, SP and FSDP2.
 
-Order (STYLE.md #3): build (meta for pretrained weights on several ranks, else CPU with the run
-seed so every rank starts from identical weights) -> freeze -> Liger -> attention (+ Ulysses
-wrapper) -> activation checkpointing -> FSDP2 -> materialise/load weights.
+Order (STYLE.md #3): build (on several ranks: on the meta device, with the weights read or
+randomly initialised once on rank 0; on one process: directly on the device) -> freeze -> Liger
+-> attention (+ Ulysses wrapper) -> activation checkpointing -> FSDP2 -> materialise and load the
+weights (rank 0 broadcasts into every rank's shards).
 """
 
 from __future__ import annotations
@@ -148,14 +149,30 @@ def build_model(
         raise ConfigError("trainer_args.fsdp_cpu_offload needs FSDP: set trainer_args.fsdp: true")
     handles: list[Any] = []
     meta = env.fsdp and m.load_from_pretrained_path is not None
+    weights: Any = m.load_from_pretrained_path  # what rank 0 broadcasts into the shards
     attn = t.attn_backend if t.use_rmpad else "sdpa"
     try:
-        if m.load_from_config is not None:
+        if m.load_from_config is not None and env.distributed:
+            # Random init once, on rank 0 (same seed, same weights as a 1-process run); every
+            # rank builds on meta and receives its shards: no full copy per rank.
+            from lmms_parallel import meta_init
+
             conf = model_config_dict(cfg, spec, token_ids)
             hf_config = spec.make_config(conf)
             torch.manual_seed(t.seed)
-            target = "cpu" if env.distributed else env.device
-            model = spec.build(config=conf, device=target, attn_backend=attn)
+            weights = (
+                spec.build(config=conf, device="cpu", attn_backend=attn).state_dict()
+                if env.rank == 0
+                else None
+            )
+            with meta_init():
+                model = spec.build(config=conf, device="meta", attn_backend=attn)
+            meta = True
+        elif m.load_from_config is not None:
+            conf = model_config_dict(cfg, spec, token_ids)
+            hf_config = spec.make_config(conf)
+            torch.manual_seed(t.seed)
+            model = spec.build(config=conf, device=env.device, attn_backend=attn)
         elif meta:
             from lmms_parallel import meta_init
 
@@ -196,7 +213,8 @@ def build_model(
             from lmms_parallel import load_full_state_dict, materialize
 
             materialize(model, env.device)
-            load_full_state_dict(model, m.load_from_pretrained_path)
+            load_full_state_dict(model, weights if env.rank == 0 else None)
+            del weights
     return BuiltModel(spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles)
 
 
