@@ -18,6 +18,7 @@ own numbers without touching other sections.
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import subprocess
@@ -157,3 +158,28 @@ def write_section(title: str, body: str, *, command: str, results: Path = RESULT
         text = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
     results.write_text(text)
     return section
+
+
+def fmt(x: object) -> str:
+    """A table cell: ``-`` for None, 3 significant digits below 10, one decimal above."""
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
+    return str(x)
+
+
+def report(
+    name: str, title: str, rows: list[dict], cols: list[str], meta: dict, *, write: bool
+) -> None:
+    """Write ``{meta, rows}`` as JSON to $OUT (if set), the RESULTS.md section if ``write``
+    (``meta["command"]``), and print ``meta["header"]`` and the table last."""
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        Path(out, f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    table = markdown_table(cols, [[fmt(r.get(c)) for c in cols] for r in rows])
+    if write:
+        write_section(title, table, command=meta["command"])
+    print(meta["header"])
+    print(table)

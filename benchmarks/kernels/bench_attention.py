@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -81,30 +79,6 @@ def _ms(fn, device: torch.device, *, warmup: int, iters: int) -> float:
     return harness.timeit(call, repeat=iters, warmup=warmup).wall_median * 1e3
 
 
-def _fmt(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
-    return str(x)
-
-
-def _report(
-    name: str, title: str, rows: list[dict], cols: list[str], meta: dict, write: bool
-) -> None:
-    """Write JSON to $OUT (if set), optionally the RESULTS.md section, and print the table last."""
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"{name}.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    table = harness.markdown_table(cols, [[_fmt(r.get(c)) for c in cols] for r in rows])
-    if write:
-        harness.write_section(title, table, command=meta["command"])
-    print(meta["header"])
-    print(table)
-
-
 def main() -> None:
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -165,7 +139,7 @@ def main() -> None:
     title = (
         "lmms-kernels: varlen attention TFLOP/s per backend (benchmarks/kernels/bench_attention.py)"
     )
-    _report("bench_attention", title, rows, cols, meta, args.write)
+    harness.report("bench_attention", title, rows, cols, meta, write=args.write)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ import argparse
 import functools
 import gc
 import importlib.util
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -89,30 +87,6 @@ def _peak_mib(fn, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-def _fmt(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
-    return str(x)
-
-
-def _report(
-    name: str, title: str, rows: list[dict], cols: list[str], meta: dict, write: bool
-) -> None:
-    """Write JSON to $OUT (if set), optionally the RESULTS.md section, and print the table last."""
-    out = os.environ.get("OUT")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, f"{name}.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    table = harness.markdown_table(cols, [[_fmt(r.get(c)) for c in cols] for r in rows])
-    if write:
-        harness.write_section(title, table, command=meta["command"])
-    print(meta["header"])
-    print(table)
-
-
 def main() -> None:
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -166,7 +140,7 @@ def main() -> None:
     title = (
         "lmms-kernels: fused linear cross-entropy vs logits + CE (benchmarks/kernels/bench_flce.py)"
     )
-    _report("bench_flce", title, rows, cols, meta, args.write)
+    harness.report("bench_flce", title, rows, cols, meta, write=args.write)
 
 
 if __name__ == "__main__":
