@@ -47,6 +47,7 @@ import random
 import socket
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,6 +95,11 @@ def parse_args() -> argparse.Namespace:
         "--max-variant-s", type=float, default=150.0, help="stop a variant's steps after this"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one extra step per lmms run; top CUDA kernels to $OUT/profile_<run>.txt",
+    )
     return p.parse_args()
 
 
@@ -361,6 +367,8 @@ def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dic
     except Exception as e:  # a broken variant must not cost the other variants
         traceback.print_exc()
         return {"run": name, "status": f"error: {type(e).__name__}: {str(e)[:200]}"}
+    if PROFILE and cuda and times:
+        profile_step(name, step_fn, batches[-1])
     n_timed = len(times)
     if not n_timed:
         return {"run": name, "status": f"too slow: first step {first:.0f} s"}
@@ -382,6 +390,26 @@ def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dic
         "loss": round(float(loss), 4),
         "timed_steps": n_timed,
     }
+
+
+PROFILE = False
+
+
+def profile_step(name: str, step_fn, batch) -> None:
+    """One more step under torch.profiler; its kernels by CUDA time go to $OUT (or stdout)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step_fn(batch)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90
+    )
+    safe = "".join(ch if ch.isalnum() else "_" for ch in name)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"profile_{safe}.txt").write_text(table)
+    else:
+        print(table)
 
 
 def step_flops(spec, cfg, packs) -> list[dict[str, float]]:
@@ -531,6 +559,8 @@ def print_table(results, dev_name: str, tokens) -> None:
 
 def main() -> None:
     args = parse_args()
+    global PROFILE
+    PROFILE = args.profile
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if args.tiny:
         args.tokens = sorted({min(t, 256) for t in args.tokens})
