@@ -10,7 +10,17 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from ._ns import Backend, Coefficients, NSSchedule, _ns_stack, newton_schulz, resolve_schedule
+from ._ns import (
+    Backend,
+    Coefficients,
+    Method,
+    NSSchedule,
+    _ns_gram,
+    _ns_stack,
+    _use_gram,
+    newton_schulz,
+    resolve_schedule,
+)
 
 __all__ = ["Muon", "lr_scale"]
 
@@ -67,7 +77,8 @@ class Muon(Optimizer):
     Weight decay is decoupled and uses the unscaled ``lr`` (so with ``adjust_lr="rms"`` the
     same ``lr``/``weight_decay`` pair behaves like AdamW's). Matrices with more than two dims
     are flattened to ``[shape[0], -1]``. Same-shaped matrices are orthogonalised together in one
-    batched Newton–Schulz call; FSDP2 DTensor parameters (``Shard(0)``, optionally with
+    batched Newton–Schulz call (``ns_method``: ``"auto"`` takes the Gram form, same polynomial
+    with fewer FLOPs, for aspect ratios >= 2.5; see :func:`newton_schulz`); FSDP2 DTensor parameters (``Shard(0)``, optionally with
     ``Replicate`` mesh dims) are gathered to an owner rank per matrix (see ``docs/muon.md``).
     """
 
@@ -83,6 +94,7 @@ class Muon(Optimizer):
         *,
         ns_coefficients: str | NSSchedule | Sequence[Coefficients] = "jordan",
         backend: Backend = "auto",
+        ns_method: Method = "auto",
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
@@ -93,7 +105,9 @@ class Muon(Optimizer):
             raise ValueError(f"invalid lr={lr} or momentum={momentum}")
         lr_scale(adjust_lr, (1, 1))  # validates the mode
         resolve_schedule(ns_coefficients)
+        _use_gram(ns_method, backend, 1, 1)  # validates the method
         self.backend = backend
+        self.ns_method = ns_method
         self.dist_bucket_numel = int(dist_bucket_numel)
         muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
@@ -195,39 +209,43 @@ class Muon(Optimizer):
                 local.append((p, g, b, group))
 
     def _local_step(self, local: list[tuple]) -> None:
-        """Bucket local matrices by (wide shape, schedule, lr factors); per bucket: write U into
-        one bf16 stack (nesterov lerp, transpose and cast in one pass), scale, batched NS with
-        ``-lr·lr_scale`` folded into the last GEMM, then ``W = (1 - lr·wd)·W + O`` in one pass."""
+        """Bucket local matrices by (2-D shape, schedule, lr factors); per bucket: write U into
+        one bf16 stack in the matrices' own orientation (nesterov lerp and cast in one pass, no
+        transpose), one fp32 norm call, batched NS with ``-lr·lr_scale`` folded into the last
+        GEMM, then ``W = (1 - lr·wd)·W + O`` in one contiguous pass per matrix."""
         buckets: dict[tuple, list[int]] = defaultdict(list)
         for i, (p, g, _, grp) in enumerate(local):
             r, c = g.size(0), g[0].numel()
             scale = -grp["lr"] * lr_scale(grp["adjust_lr"], p.shape)
             decay = 1.0 - grp["lr"] * grp["weight_decay"]
-            key = (min(r, c), max(r, c), g.device, _ns_key(grp), scale, decay)
+            key = (r, c, g.device, _ns_key(grp), scale, decay)
             buckets[key].append(i)
-        for (m, n, device, (steps, schedule), scale, decay), idx in buckets.items():
-            X = torch.empty(len(idx), m, n, device=device, dtype=torch.bfloat16)  # [B, m, n]
+        for (r, c, device, (steps, schedule), scale, decay), idx in buckets.items():
+            X = torch.empty(len(idx), r, c, device=device, dtype=torch.bfloat16)  # [B, r, c]
             for j, i in enumerate(idx):
                 _, g, b, grp = local[i]
-                g2, b2 = g.reshape(g.size(0), -1), b.reshape(b.size(0), -1)
-                dst = X[j] if g2.size(0) == m and g2.size(1) == n else X[j].mT
+                g2, b2 = g.reshape(r, c), b.reshape(r, c)
                 if grp["nesterov"]:
-                    torch.lerp(g2, b2, grp["momentum"], out=dst)  # (1-μ)G + μM
+                    torch.lerp(g2, b2, grp["momentum"], out=X[j])  # (1-μ)G + μM
                 else:
-                    dst.copy_(b2)
-            norm = X.norm(dim=(-2, -1), keepdim=True)  # [B, 1, 1]
-            X.div_(norm.mul_(schedule.norm_scale).add_(1e-7))
-            self._mark("stack")
+                    X[j].copy_(b2)
+            norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float32)  # [B]
+            inv = norm.mul_(schedule.norm_scale).add_(1e-7).reciprocal_()
             # On CUDA the GEMM epilogue is fp32, so folding the lr into it costs no precision; the
             # CPU bf16 GEMM rounds before its epilogue, so there the lr is applied in fp32.
             fold = X.is_cuda
             coeffs = schedule.for_steps(steps)
-            out = _ns_stack(X, coeffs, self.backend, scale if fold else 1.0)  # [B, m, n]
+            if _use_gram(self.ns_method, self.backend, r, c):
+                self._mark("stack")  # the Frobenius scaling rides in the Gram (no pass over X)
+                out = _ns_gram(X, coeffs, scale if fold else 1.0, inv_norm=inv)
+            else:
+                X.mul_(inv.view(-1, 1, 1))
+                self._mark("stack")
+                out = _ns_stack(X, coeffs, self.backend, scale if fold else 1.0)  # [B, r, c]
             self._mark("ns")
             for j, i in enumerate(idx):
                 lp = _local(local[i][0])
-                o = out[j] if lp.size(0) == m and lp[0].numel() == n else out[j].mT
-                o = o.reshape(lp.shape)
+                o = out[j].reshape(lp.shape)
                 if not fold:
                     lp.mul_(decay).add_(o, alpha=scale)
                 elif decay != 1.0:
@@ -251,7 +269,9 @@ class Muon(Optimizer):
 
     def _ns(self, stack: torch.Tensor, key: tuple) -> torch.Tensor:
         steps, schedule = key
-        return newton_schulz(stack, steps, coefficients=schedule, backend=self.backend)
+        return newton_schulz(
+            stack, steps, coefficients=schedule, backend=self.backend, method=self.ns_method
+        )
 
     def _mark(self, phase: str) -> None:
         """Phase boundary: calls ``self.phase_hook(phase)`` if set (the benchmark records CUDA

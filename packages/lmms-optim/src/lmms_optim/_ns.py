@@ -5,8 +5,18 @@ orthogonal polar factor ``U Vᵀ`` of ``G = U S Vᵀ``::
 
     A = X Xᵀ ;  B = b A + c A² ;  X = a X + B X
 
-Everything runs in bf16 with fp32 accumulation inside the matmuls, on the wide orientation
-(``m <= n``; tall inputs go through the transpose), so the Gram matrix is the small ``m × m`` one.
+Everything runs in bf16 with fp32 accumulation inside the matmuls, on the small Gram matrix
+(``m × m`` with ``m = min(rows, cols)``).
+
+Two algorithms compute the same polynomial (``method``):
+
+- ``"standard"``: the iteration above (``4m²n + 2m³`` FLOPs per step). Tall stacks use the
+  right-multiplication form ``A = XᵀX ; X = a X + X B`` (no transpose copy).
+- ``"gram"``: every iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial in ``A_0 = X_0 X_0ᵀ``,
+  so the loop runs on ``m × m`` matrices (``M = aI + bA + cA² ; Q ← M Q ; A ← M A M``) and
+  ``X`` is formed only at a restart (every ``GRAM_RESTART`` steps, with a fresh Gram: this keeps
+  the bf16 ``m × m`` recursion from drifting) and at the end. 5 steps cost ``8m²n + 28m³``
+  FLOPs instead of ``20m²n + 10m³``: a win for ``n/m >= GRAM_MIN_ASPECT`` (``"auto"``).
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import torch
 
 __all__ = [
     "COEFFICIENT_SCHEDULES",
+    "GRAM_MIN_ASPECT",
     "NSSchedule",
     "newton_schulz",
     "newton_schulz_reference",
@@ -28,6 +39,15 @@ __all__ = [
 
 Coefficients = tuple[float, float, float]
 Backend = Literal["auto", "torch", "triton"]
+Method = Literal["auto", "standard", "gram"]
+
+# "auto" takes the Gram form when max(rows, cols) >= GRAM_MIN_ASPECT · min(rows, cols): the FLOP
+# ratio standard/gram (20r + 10)/(8r + 28) is 1.28 at r = 2.5, 1.66 at r = 5.4 (2048×11008).
+GRAM_MIN_ASPECT = 2.5
+# Steps between restarts of the Gram form (X = Q X0 and a fresh Gram): bf16 with a restart after
+# 3 steps is as accurate as the published bf16 iteration (benchmarks/optim/ns_accuracy.py); with
+# no restart the bf16 m×m recursion loses the small singular directions (error ~1).
+GRAM_RESTART = 3
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -92,35 +112,110 @@ def resolve_schedule(coefficients: str | NSSchedule | Sequence[Coefficients]) ->
     return NSSchedule(name="custom", coefficients=triples)  # type: ignore[arg-type]
 
 
-def _prepare(G: torch.Tensor, norm_scale: float, eps: float) -> tuple[torch.Tensor, bool]:
-    """bf16 cast, wide orientation (contiguous), Frobenius scaling.  G [..., m, n]."""
+def _prepare_stack(
+    G: torch.Tensor, norm_scale: float, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """G [..., r, c] -> (bf16 stack [B, r, c] in G's own orientation, fp32 1/(norm·scale + eps) [B]).
+
+    The same arithmetic as ``Muon``'s local step (so sharded and local Muon agree bit for bit).
+    """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix or a stack of matrices, got {G.shape}")
-    transposed = G.size(-2) > G.size(-1)
-    X = G.mT if transposed else G
-    X = X.to(dtype=torch.bfloat16, memory_format=torch.contiguous_format)
-    norm = X.norm(dim=(-2, -1), keepdim=True)  # [..., 1, 1]
-    X = X / (norm * norm_scale + eps)
-    return X, transposed
+    X = G.reshape(-1, G.size(-2), G.size(-1)).to(torch.bfloat16, copy=True)
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float32)  # [B]
+    return X.contiguous(), norm.mul_(norm_scale).add_(eps).reciprocal_()
 
 
 def _ns_torch(X: torch.Tensor, coeffs: Sequence[Coefficients], scale: float = 1.0) -> torch.Tensor:
-    """Torch backend on a prepared stack X [B, m, n] (m <= n): 3 fused BLAS calls per step.
+    """Torch backend on a prepared stack X [B, r, c]: 3 fused BLAS calls per step.
 
-    The last step multiplies by ``scale`` inside the GEMM epilogue (free). A single matrix goes
-    through the 2-D ``mm``/``addmm`` calls: batched ``baddbmm`` costs more host time per call,
-    which dominates below ~1k×1k.
+    Wide (``r <= c``): ``A = X Xᵀ``, ``X = aX + BX``; tall: ``A = XᵀX``, ``X = aX + XB`` (the
+    same polynomial on the transposed problem, without a transpose copy). The last step
+    multiplies by ``scale`` inside the GEMM epilogue (free). A single matrix goes through the
+    2-D ``mm``/``addmm`` calls: batched ``baddbmm`` costs more host time per call, which
+    dominates below ~1k×1k.
     """
     single = X.size(0) == 1
+    tall = X.size(-2) > X.size(-1)
     Y = X[0] if single else X
     mm, addmm = (torch.mm, torch.addmm) if single else (torch.bmm, torch.baddbmm)
     last = len(coeffs) - 1
     for i, (a, b, c) in enumerate(coeffs):
         s = scale if i == last else 1.0
-        A = mm(Y, Y.mT)  # [B, m, m]
+        A = mm(Y.mT, Y) if tall else mm(Y, Y.mT)  # [B, m, m]
         B = addmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
-        Y = addmm(Y, B, Y, beta=a * s, alpha=s)  # s·(a·X + B·X)
+        if tall:
+            Y = addmm(Y, Y, B, beta=a * s, alpha=s)  # s·(a·X + X·B)
+        else:
+            Y = addmm(Y, B, Y, beta=a * s, alpha=s)  # s·(a·X + B·X)
     return Y.unsqueeze(0) if single else Y
+
+
+def _ns_gram(
+    X: torch.Tensor,
+    coeffs: Sequence[Coefficients],
+    scale: float = 1.0,
+    inv_norm: torch.Tensor | None = None,
+    restart: int = GRAM_RESTART,
+) -> torch.Tensor:
+    """Gram-space NS on a stack X [B, r, c] (bf16, contiguous, either orientation).
+
+    ``inv_norm`` [B] (fp32): per-matrix factor applied to X first (the Frobenius scaling, folded
+    into the Gram and into Q, so X itself is never rescaled); None when X is already scaled.
+    Returns ``scale · NS(inv_norm · X)`` (bf16, X's orientation). Wide: ``X_k = Q_k X``; tall:
+    ``X_k = X Q_kᵀ`` with ``A = XᵀX``. Every product is one bf16 cuBLAS call (fp32 accumulation).
+    """
+    tall = X.size(-2) > X.size(-1)
+
+    def gram(Y: torch.Tensor) -> torch.Tensor:  # [B, m, m]
+        return torch.bmm(Y.mT, Y) if tall else torch.bmm(Y, Y.mT)
+
+    def apply(Q: torch.Tensor, Y: torch.Tensor, s: float) -> torch.Tensor:  # s·Q·Y / s·Y·Qᵀ
+        lhs, rhs = (Y, Q.mT) if tall else (Q, Y)
+        if s == 1.0:
+            return torch.bmm(lhs, rhs)
+        out = torch.empty_like(Y)
+        return torch.baddbmm(out, lhs, rhs, beta=0.0, alpha=s)
+
+    A = gram(X)
+    qscale = inv_norm  # pending per-matrix factor of Q (folded in once, in fp32)
+    if qscale is not None:
+        A.mul_((qscale * qscale).view(-1, 1, 1))
+    Y, Q = X, None
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        # M = a·I + B is never rounded to bf16 (its diagonal would swamp B): every product with
+        # M is a GEMM whose fp32 epilogue adds the a·(...) term.
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
+        if Q is None:  # Q = M (times the pending scale), one rounding
+            Qf = B.float()
+            Qf.diagonal(dim1=-2, dim2=-1).add_(a)
+            if qscale is not None:
+                Qf.mul_(qscale.view(-1, 1, 1))
+                qscale = None
+            Q = Qf.to(torch.bfloat16)
+        else:
+            Q = torch.baddbmm(Q, B, Q, beta=a)  # M·Q
+        if i == last:
+            break
+        if restart and (i + 1) % restart == 0:  # X_k = Q_k X_0, fresh Gram
+            Y = apply(Q, Y, 1.0)
+            A, Q = gram(Y), None
+            continue
+        MA = torch.baddbmm(A, B, A, beta=a)  # M·A
+        A = torch.baddbmm(MA, MA, B, beta=a)  # M·A·M (= M²A: all of them commute)
+    assert Q is not None
+    return apply(Q, Y, scale)
+
+
+def _use_gram(method: Method, backend: Backend, rows: int, cols: int) -> bool:
+    """Whether ``method`` means the Gram form for a ``rows × cols`` matrix (see GRAM_MIN_ASPECT;
+    an explicit ``backend="triton"`` keeps "auto" on the Triton standard iteration)."""
+    if method not in ("auto", "standard", "gram"):
+        raise ValueError(f"method must be 'auto', 'standard' or 'gram', got {method!r}")
+    if method == "auto":
+        return backend != "triton" and max(rows, cols) >= GRAM_MIN_ASPECT * min(rows, cols)
+    return method == "gram"
 
 
 # Below this much work per Gram (B·m²·n) the Triton kernels lose to cuBLAS: too few tiles to
@@ -131,13 +226,15 @@ _TRITON_MIN_WORK = 1 << 34
 def _ns_stack(
     X: torch.Tensor, coeffs: Sequence[Coefficients], backend: Backend, scale: float = 1.0
 ) -> torch.Tensor:
-    """NS on a prepared stack X [B, m, n] (bf16, contiguous, m <= n, scaled; may be reused).
+    """Standard NS on a prepared stack X [B, r, c] (bf16, contiguous, scaled; may be reused).
 
-    Returns ``scale · NS(X)``. ``"auto"`` takes Triton on CUDA for stacks with enough work.
+    Returns ``scale · NS(X)`` in X's orientation (for a tall stack on Triton: a transposed view).
+    ``"auto"`` takes Triton on CUDA for stacks with enough work.
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     nb, m, n = X.shape
+    m, n = min(m, n), max(m, n)
     use_triton = backend == "triton" or (
         backend == "auto" and X.is_cuda and nb * m * m * n >= _TRITON_MIN_WORK and _triton_usable(X)
     )
@@ -150,6 +247,8 @@ def _ns_stack(
         )
     from ._triton_ns import ns_triton
 
+    if X.size(-2) > X.size(-1):  # the Triton kernels take the wide orientation
+        return ns_triton(X.mT.contiguous(), coeffs, scale=scale).mT
     return ns_triton(X, coeffs, scale=scale)
 
 
@@ -169,11 +268,15 @@ def newton_schulz(
     *,
     coefficients: str | NSSchedule | Sequence[Coefficients] = "jordan",
     backend: Backend = "auto",
+    method: Method = "auto",
     eps: float = 1e-7,
 ) -> torch.Tensor:
     """Approximate orthogonal polar factor of ``G`` (``[m, n]`` or a stack ``[..., m, n]``).
 
     Returns bf16 of the same shape. Each matrix of a stack is scaled by its own Frobenius norm.
+    ``method``: ``"standard"`` (the published iteration), ``"gram"`` (the same polynomial on
+    ``m × m`` matrices, cuBLAS; see the module docstring) or ``"auto"`` (Gram when the aspect
+    ratio is at least ``GRAM_MIN_ASPECT`` and ``backend`` is not ``"triton"``).
     ``backend="auto"`` picks Triton on CUDA (symmetric Gram kernels: half the FLOPs of the two
     ``m × m`` products) when the stack holds enough work (``B·m²·n >= 2**34``), torch elsewhere; ``"triton"`` also runs on CPU under
     ``TRITON_INTERPRET=1`` (tests only: slow).
@@ -187,11 +290,12 @@ def newton_schulz(
             "backend='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1 for CPU "
             "tests); use backend='torch' here"
         )
-    X, transposed = _prepare(G, schedule.norm_scale, eps)
-    batch_shape = X.shape[:-2]
-    out = _ns_stack(X.reshape(-1, X.size(-2), X.size(-1)), coeffs, backend)  # [B, m, n]
-    out = out.reshape(*batch_shape, out.size(-2), out.size(-1))
-    return out.mT if transposed else out
+    X, inv = _prepare_stack(G, schedule.norm_scale, eps)
+    if _use_gram(method, backend, G.size(-2), G.size(-1)):
+        out = _ns_gram(X, coeffs, inv_norm=inv)
+    else:
+        out = _ns_stack(X.mul_(inv.view(-1, 1, 1)), coeffs, backend)
+    return out.reshape(G.shape)
 
 
 def newton_schulz_reference(
