@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmms_train._step import Timer, grad_norm, read_scalars, run_micro_batches
+from lmms_train._step import PendingScalars, StepClock, grad_norm, run_micro_batches
 
 META = torch.device("meta")
 
@@ -40,10 +40,10 @@ def test_grad_norm_stays_on_device():
     assert grad_norm(torch.nn.Linear(2, 2), 1.0, torch.device("cpu")).item() == 0.0  # no grads
 
 
-def test_read_scalars_equals_float_of_each():
+def test_pending_scalars_equal_float_of_each():
     loss = torch.tensor(1.2345678901234567, dtype=torch.float64)
     norm = torch.tensor(0.1, dtype=torch.float32)  # not exact in binary: float32 rounding kept
-    assert read_scalars(loss, norm) == [float(loss), float(norm)]
+    assert PendingScalars(loss, norm).wait() == [float(loss), float(norm)]
 
 
 def test_micro_batch_sum_equals_per_batch_host_sum():
@@ -63,12 +63,27 @@ def test_micro_batch_sum_equals_per_batch_host_sum():
     assert float(total) == pytest.approx(ref, rel=0, abs=0)
 
 
-def test_timer_now_does_not_synchronise(monkeypatch):
-    def boom(*_a, **_k):
-        raise AssertionError("now() synchronised")
+def test_step_clock_needs_end_and_measures_wall_time_on_cpu():
+    clock = StepClock(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="before end"):
+        clock.seconds()
+    clock.end()
+    assert 0.0 <= clock.seconds() < 5.0
 
-    monkeypatch.setattr(torch.cuda, "synchronize", boom)
-    timer = Timer(torch.device("cuda", 0))
-    timer.now()
-    with pytest.raises(AssertionError):
-        timer.stop()  # the one synchronisation, at the end of a step
+
+@pytest.mark.gpu
+def test_pending_scalars_do_not_wait_for_the_device():
+    """The copy is queued behind the step's work: constructing it returns while the device is
+    still busy (a long matmul chain), and wait() then gives the exact values."""
+    dev = torch.device("cuda")
+    x = torch.randn(4096, 4096, device=dev)
+    clock = StepClock(dev)
+    for _ in range(50):
+        x = torch.tanh(x @ x) * 0.5
+    total = x.double().sum()
+    clock.end()
+    pending = PendingScalars(total, x.abs().max())
+    assert not pending.event.query()  # host is ahead: nothing waited for the device
+    loss, peak = pending.wait()
+    assert loss == float(total) and peak == float(x.abs().max())
+    assert clock.seconds() > 0

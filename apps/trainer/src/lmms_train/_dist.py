@@ -9,7 +9,9 @@ parameters instead of autocast measured +7.7% tok/s on an H200 (benchmarks/RESUL
 `full/fsdp` vs `full`). `fsdp: false` (one process only) keeps a plain module with autocast.
 
 `distributed` means several ranks: the scalar all-reduces and the vision-tower participation
-hook are skipped on one rank, group or not.
+hook are skipped on one rank, group or not. Host scalars (token counts, timings) are reduced over
+a gloo group on the CPU, so reducing them never waits for the device's queue; the step's loss is
+reduced on the device (`all_reduce_device_`), asynchronously.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class DistEnv:
     fsdp: bool = False  # the model is sharded with FSDP2 (a process group and mesh exist)
     owns_group: bool = False  # this env initialised the process group (and destroys it)
     mesh: Any = None  # DeviceMesh from lmms_parallel when fsdp
+    cpu_group: Any = None  # gloo group for host scalars (None: the default group is gloo)
 
     @property
     def distributed(self) -> bool:
@@ -59,15 +62,19 @@ class DistEnv:
         return self.rank == 0
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        """Reduce a few scalars over all ranks in float64 (exact for counts < 2**53)."""
+        """Reduce a few host scalars over all ranks in float64 (exact for counts < 2**53), on
+        the CPU: no device synchronisation."""
         if not self.distributed:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        t = torch.tensor(values, dtype=torch.float64)
+        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        dist.all_reduce(t, op=reduce_op, group=self.cpu_group)
         return t.tolist()
 
-    def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    def all_reduce_device_(self, t: torch.Tensor) -> None:
+        """Sum a tensor over all ranks in place, on its device (queued, not waited for)."""
+        if self.distributed:
+            dist.all_reduce(t)
 
     def barrier(self) -> None:
         if self.distributed:
@@ -127,4 +134,6 @@ def init_distributed(*, device: str, sp: int, dp_replicate: int, fsdp: bool) -> 
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend, timeout=timedelta(minutes=30), **kwargs)
         env.owns_group = True
+    if world > 1 and dist.get_backend() != "gloo":
+        env.cpu_group = dist.new_group(backend="gloo")  # collective: every rank creates it
     return env

@@ -1,4 +1,11 @@
-"""The training loop: fetch a step's packs, one normalised step, metrics, eval, checkpoints."""
+"""The training loop: fetch a step's packs, one normalised step, metrics, eval, checkpoints.
+
+A step's metrics are read one step late: after step N's work is queued, step N-1's loss and grad
+norm (copied to pinned memory without waiting, `PendingScalars`) are read and logged, so the host
+stays a step ahead and never idles the device. Eval, checkpoints, a stop request and the last
+step read the current step at once (the device drains there anyway). A non-finite loss is
+therefore raised one step late, before anything is saved.
+"""
 
 from __future__ import annotations
 
@@ -19,12 +26,12 @@ from lmms_train._metrics import MetricsLogger
 from lmms_train._state import TrainState
 from lmms_train._step import (
     STAT_KEYS,
+    PendingScalars,
     PhaseTimer,
-    Timer,
+    StepClock,
     batch_stats,
     grad_norm,
     move_batch,
-    read_scalars,
     run_micro_batches,
 )
 from lmms_train.config import TrainConfig
@@ -108,27 +115,79 @@ def _install_sigterm(run: Run) -> Any:
         return None
 
 
+@dataclass(kw_only=True)
+class _Queued:
+    """A step whose device work is queued and whose metrics are not read yet."""
+
+    step: int
+    clock: StepClock
+    values: PendingScalars  # (loss_sum over ranks, grad norm)
+    host: dict[str, Any]  # metrics known on the host when the step was queued
+    phases: list[tuple[str, Any]]
+    global_count: float
+    data_wait: float
+
+
+def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
+    """Wait for a queued step's scalars (normally long done), then log its metrics."""
+    env, t = run.env, run.cfg.trainer_args
+    loss_sum, norm = q.values.wait()
+    dt = q.clock.seconds()
+    local_bad = int(run.data.bad_records()) if hasattr(run.data, "bad_records") else 0
+    (bad,) = env.all_reduce([float(local_bad)])  # host-side collective: no device sync
+    host = q.host
+    metrics: dict[str, Any] = {
+        "loss": loss_sum / env.sp / max(q.global_count, 1.0),
+        "lr": host.pop("lr"),
+        "grad_norm": norm,
+        "tokens_per_sec": host["tokens"] / dt,
+        "mfu": mfu(host.pop("flops_total"), dt, env.world_size, run.peak_flops),
+        "mfu_lm": mfu(host.pop("flops_lm"), dt, env.world_size, run.peak_flops),
+        "step_time": dt,
+        **host,
+        "data_wait_fraction": q.data_wait / env.world_size / dt,
+        "peak_memory_gb": _peak_memory_gb(env.device),
+        "bad_records": int(bad / env.sp),
+        **phases.read(q.phases),
+    }
+    if (
+        t.eval_steps
+        and run.eval_data is not None
+        and (q.step % t.eval_steps == 0 or q.step == t.max_steps)
+    ):
+        metrics["eval_loss"] = evaluate(run)
+    if env.is_main:
+        run.logger.log(q.step, metrics)
+    if not math.isfinite(metrics["loss"]):
+        raise FloatingPointError(f"loss is {metrics['loss']} at step {q.step}")
+    return metrics
+
+
 def train_loop(run: Run) -> dict[str, Any]:
     """Train until `max_steps` (or SIGTERM); returns the last step's metrics."""
     cfg, env, t = run.cfg, run.env, run.cfg.trainer_args
     d = cfg.dataset_config
-    timer = Timer(env.device)
     phases = PhaseTimer(enabled=t.profile_step_breakdown, device=env.device)
     flops_fn = _flops_fn(run)
     previous = _install_sigterm(run)
     last: dict[str, Any] = {}
+    queued: _Queued | None = None
     data_iter = iter(run.data)
     run.model.train()
     try:
         while run.state.step < t.max_steps:
-            t0 = timer.now()
+            clock = StepClock(env.device)
+            t0 = time.perf_counter()
             batches = [next(data_iter) for _ in range(t.gradient_accumulation_steps)]
-            t_data = timer.now() - t0
+            t_data = time.perf_counter() - t0
             sums, lens = batch_stats(batches, flops_fn=flops_fn, packing_length=d.packing_length)
             sums["data_wait"] = t_data
             sums["stop"] = float(run.stop_requested)
             reduced = dict(
                 zip(STAT_KEYS, env.all_reduce([sums[k] for k in STAT_KEYS]), strict=True)
+            )
+            seq_max, neg_min = env.all_reduce(
+                [float(max(lens, default=0)), -float(min(lens, default=0))], op="max"
             )
             per_sp = {k: v / env.sp for k, v in reduced.items()}  # SP ranks share their packs
             global_count = per_sp["loss_tokens"]
@@ -148,25 +207,17 @@ def train_loop(run: Run) -> dict[str, Any]:
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
             phases.mark("optimizer")  # clipping, optimizer step, scheduler
-            loss_local_f, norm_f = read_scalars(loss_local, norm)  # the step's one D2H copy
-            local_bad = int(run.data.bad_records()) if hasattr(run.data, "bad_records") else 0
-            loss_sum, bad = env.all_reduce([loss_local_f, float(local_bad)])  # no-ops on 1 rank
-            seq_max, neg_min = env.all_reduce(
-                [float(max(lens, default=0)), -float(min(lens, default=0))], op="max"
-            )
-            dt = timer.stop() - t0
+            env.all_reduce_device_(loss_local)  # async on the device; no-op on one rank
+            clock.end()
+            values = PendingScalars(loss_local, norm)  # non-blocking copy to pinned memory
             run.state.step += 1
             run.state.tokens_seen += int(per_sp["tokens"])
             run.state.samples_seen += int(per_sp["samples"])
-            flops_total = per_sp["flops_lm"] + per_sp["flops_vision"]
-            metrics: dict[str, Any] = {
-                "loss": loss_sum / env.sp / max(global_count, 1.0),
+            step = run.state.step
+            host = {
                 "lr": lr,
-                "grad_norm": norm_f,
-                "tokens_per_sec": per_sp["tokens"] / dt,
-                "mfu": mfu(flops_total, dt, env.world_size, run.peak_flops),
-                "mfu_lm": mfu(per_sp["flops_lm"], dt, env.world_size, run.peak_flops),
-                "step_time": dt,
+                "flops_total": per_sp["flops_lm"] + per_sp["flops_vision"],
+                "flops_lm": per_sp["flops_lm"],
                 "tokens": int(per_sp["tokens"]),
                 "loss_tokens": int(global_count),
                 "samples": int(per_sp["samples"]),
@@ -176,26 +227,20 @@ def train_loop(run: Run) -> dict[str, Any]:
                 "perf/global_seq_len_min": -neg_min,
                 "perf/global_seq_len_max": seq_max,
                 "packing_fill_ratio": per_sp["tokens"] / max(per_sp["capacity"], 1.0),
-                "data_wait_fraction": reduced["data_wait"] / env.world_size / dt,
-                "peak_memory_gb": _peak_memory_gb(env.device),
-                "bad_records": int(bad / env.sp),
-                **phases.read(),
             }
-            step = run.state.step
-            if (
-                t.eval_steps
-                and run.eval_data is not None
-                and (step % t.eval_steps == 0 or step == t.max_steps)
-            ):
-                metrics["eval_loss"] = evaluate(run)
-            if env.is_main:
-                run.logger.log(step, metrics)
-            last = metrics
-            if not math.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"loss is {metrics['loss']} at step {step}")
+            if queued is not None:  # the previous step: its work finished before this one's
+                last = _finish(run, queued, phases)
+            queued = _Queued(
+                step=step, clock=clock, values=values, host=host, phases=phases.take(),
+                global_count=global_count, data_wait=reduced["data_wait"],
+            )  # fmt: skip
             stop = reduced["stop"] > 0
+            evaluating = bool(t.eval_steps and run.eval_data is not None)
+            evaluating = evaluating and (step % t.eval_steps == 0 or step == t.max_steps)
             periodic = t.save_steps and step % t.save_steps == 0
             final = step == t.max_steps and t.save_final
+            if periodic or final or stop or evaluating or step == t.max_steps:
+                last, queued = _finish(run, queued, phases), None
             if periodic or final or stop:
                 _save(run)
             if stop:
@@ -206,6 +251,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                         flush=True,
                     )
                 break
+        if queued is not None:
+            last = _finish(run, queued, phases)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

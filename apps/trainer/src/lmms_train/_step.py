@@ -7,15 +7,19 @@ where `grad_scale` undoes the averaging the gradient reduction does (FSDP2 avera
 mesh). So GA, DP world size, packing and SP never change the loss or the gradient. Gradients are
 reduced only after the last micro-batch (`set_requires_gradient_sync(False)` before).
 
-Host synchronisation: the micro-batch losses are summed on the device, the grad norm stays a
-device tensor, and the loop reads both with one device-to-host copy (`read_scalars`) after the
-optimizer step is queued. That copy waits for the whole step's work, so it is the step's only
-synchronisation and the end of its timing (`Timer.stop`).
+Host synchronisation: none in the steady state. The micro-batch losses are summed on the device,
+the grad norm stays a device tensor, and after the optimizer step is queued both go to pinned host
+memory with one non-blocking copy (`PendingScalars`). The loop reads them one step later, after
+the next step's work is queued, so the host never waits for the device while the device still has
+work: the only waits are for a copy that has already finished. The step's time comes from CUDA
+events recorded at its start and end (`StepClock`), so it is the device's time for the step
+(including any time the device idled waiting for the host), not the host's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -24,13 +28,13 @@ from typing import Any
 import torch
 
 __all__ = [
+    "PendingScalars",
     "PhaseTimer",
+    "StepClock",
     "StepStats",
-    "Timer",
     "batch_stats",
     "grad_norm",
     "move_batch",
-    "read_scalars",
     "run_micro_batches",
 ]
 
@@ -144,12 +148,59 @@ def grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device) -> 
     return norm
 
 
-def read_scalars(*values: torch.Tensor) -> list[float]:
-    """Device scalars to Python floats in one device-to-host copy (float64 holds a float32
-    exactly, so each value equals `float(value)`)."""
-    device = values[0].device
-    stacked = torch.stack([v.detach().to(device, torch.float64).reshape(()) for v in values])
-    return stacked.tolist()
+class PendingScalars:
+    """Device scalars on their way to the host: one non-blocking copy now, `wait()` later.
+
+    On CUDA the values are stacked (float64: exact for float32 values and counts < 2**53) into a
+    pinned host buffer with `non_blocking=True` and an event is recorded after the copy; `wait()`
+    blocks on that event only. Elsewhere the copy is synchronous and `wait()` just converts.
+    """
+
+    def __init__(self, *values: torch.Tensor) -> None:
+        device = values[0].device
+        stacked = torch.stack([v.detach().to(device, torch.float64).reshape(()) for v in values])
+        self.event = None
+        if device.type == "cuda":
+            self.host = torch.empty(stacked.shape, dtype=torch.float64, pin_memory=True)
+            self.host.copy_(stacked, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = stacked
+
+    def wait(self) -> list[float]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+class StepClock:
+    """A step's duration without synchronising: CUDA events at its start and end (the device's
+    timeline), wall-clock readings elsewhere. `seconds()` is valid once the end has happened
+    (after `PendingScalars.wait()` of a copy queued after `end()`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._start = self._mark()
+        self._end: Any = None
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def end(self) -> None:
+        self._end = self._mark()
+
+    def seconds(self) -> float:
+        if self._end is None:
+            raise RuntimeError("StepClock.seconds() before end()")
+        if self.cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._end - self._start
 
 
 class PhaseTimer:
@@ -173,33 +224,18 @@ class PhaseTimer:
         else:
             self._marks.append((name, time.perf_counter()))
 
-    def read(self) -> dict[str, float]:
-        """Seconds per phase since the first mark; clears the marks."""
+    def take(self) -> list[tuple[str, Any]]:
+        """This step's marks (the timer starts afresh); pass them to `read` once they happened."""
+        marks, self._marks = self._marks, []
+        return marks
+
+    def read(self, marks: list[tuple[str, Any]] | None = None) -> dict[str, float]:
+        """Seconds per phase since the first mark (of `marks`, default: the current ones, which
+        are then cleared). CUDA events must have completed (`Event.elapsed_time` raises if not)."""
+        if marks is None:
+            marks = self.take()
         out: dict[str, float] = {}
-        for (_, a), (name, b) in zip(self._marks, self._marks[1:]):
+        for (_, a), (name, b) in itertools.pairwise(marks):
             dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
             out[f"time/{name}"] = out.get(f"time/{name}", 0.0) + dt
-        self._marks.clear()
         return out
-
-
-class Timer:
-    """Wall-clock step timer with one synchronisation, at the end of the step.
-
-    `now()` never synchronises: a step starts after the previous step's `stop()`, when the
-    device is idle, so host readings during the step (e.g. after fetching data, host-only work)
-    are correct. `stop()` waits for the device (CUDA) and reads the clock; it follows the step's
-    `read_scalars` copy, which has already waited for the stream, so it costs ~nothing more but
-    also covers work on side streams (FSDP2's reduce-scatter).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def now(self) -> float:
-        return time.perf_counter()
-
-    def stop(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
