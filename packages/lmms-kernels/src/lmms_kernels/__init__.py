@@ -1,6 +1,8 @@
 """lmms-kernels: varlen attention backends, fused linear cross-entropy, scoped Liger patching."""
 
+from . import _attention_ops  # noqa: F401  (registers the lmms_kernels:: custom ops)
 from ._attention import BACKENDS, available_backends, resolve_backend, varlen_attention
+from ._compile import CompileHandle, compile_blocks
 from ._flce import fused_linear_cross_entropy
 from ._hf import register_varlen_attention
 from ._liger import LIGER_FAMILIES, PatchHandle, apply_liger
@@ -8,9 +10,11 @@ from ._liger import LIGER_FAMILIES, PatchHandle, apply_liger
 __all__ = [
     "BACKENDS",
     "LIGER_FAMILIES",
+    "CompileHandle",
     "PatchHandle",
     "apply_liger",
     "available_backends",
+    "compile_blocks",
     "fused_linear_cross_entropy",
     "register_varlen_attention",
     "resolve_backend",

@@ -16,6 +16,9 @@ Backends, fastest first on an H200 (see docs/kernels.md and benchmarks/RESULTS.m
 - ``"sdpa"``: a loop of ``scaled_dot_product_attention`` over segments. Any device, the CPU
   default and the reference the others are tested against. One small kernel per segment, so
   it is slow for many short segments on a GPU.
+
+Under ``torch.compile`` every backend runs through one custom op with a fake and a backward
+(``_attention_ops.py``): compiled blocks keep attention in their graph without a break.
 """
 
 from __future__ import annotations
@@ -157,24 +160,30 @@ def varlen_attention(
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    if torch.compiler.is_compiling():
+        # One opaque custom op (``_attention_ops``): no graph break, no host read in the graph.
+        # A 0-d tensor max length (Qwen-VL vision attention) becomes -1: the op's kernel reads
+        # it from cu_seqlens on the host, as the eager path's ``int()`` does.
+        out, _ = torch.ops.lmms_kernels.varlen_attn(
+            q,
+            k,
+            v,
+            cu_seqlens_q.to(device=q.device, dtype=torch.int32),
+            cu_seqlens_k.to(device=q.device, dtype=torch.int32),
+            -1 if isinstance(max_seqlen_q, torch.Tensor) else max_seqlen_q,
+            -1 if isinstance(max_seqlen_k, torch.Tensor) else max_seqlen_k,
+            causal,
+            softmax_scale,
+            backend,
+        )
+        return out
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
-    if torch.compiler.is_compiling():  # dynamo is loaded by now; importing it eagerly pulls triton
-        from torch._dynamo import disable
-
-        return disable(_run_backend)(backend, *args)
     return _run_backend(backend, *args)
 
 
 def _run_backend(backend, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """Resolve the backend and call its kernel; kept outside ``torch.compile`` graphs.
-
-    Dynamo cannot trace flash-attn's CuTe DSL / Triton launchers, nor the SDPA loop's host reads
-    of ``cu_seqlens``; a compiled transformer block breaks its graph here (one graph before
-    attention, one after) instead of failing. ``max_q``/``max_k`` may be ints, SymInts or 0-d
-    tensors: they become Python ints here, so a compiled caller neither specialises on them
-    (no recompile per new pack) nor syncs inside its graph. Costs one graph break per block; a
-    custom op with a registered fake and backward would remove it (benchmarks/models/NOTES.md).
-    """
+    """Eager path: resolve the backend and call its kernel (autograd through the kernel's own
+    backward). ``max_q``/``max_k`` may be ints or 0-d tensors (one host read each)."""
     name = resolve_backend(backend, q.device)
     cu_q = cu_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_k.to(device=q.device, dtype=torch.int32)
@@ -231,10 +240,14 @@ def _unwrap(out):
 _FA4_HEAD_DIMS = (64, 128)
 
 
+def _fa4_padded_dim(d: int, dv: int) -> int | None:
+    return next((s for s in _FA4_HEAD_DIMS if s >= max(d, dv)), None)
+
+
 def _fa4(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     fn = _fa4_fn()
     d, dv = q.shape[-1], v.shape[-1]
-    padded = next((s for s in _FA4_HEAD_DIMS if s >= max(d, dv)), None)
+    padded = _fa4_padded_dim(d, dv)
     if padded is not None and (d != padded or dv != padded):
         scale = d**-0.5 if scale is None else scale
         q, k = F.pad(q, (0, padded - d)), F.pad(k, (0, padded - d))

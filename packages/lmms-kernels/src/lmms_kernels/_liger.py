@@ -31,6 +31,13 @@ upstream rename), or an MLP whose activation is not SiLU, ``apply_liger`` raises
 silently patching less. Liger's ops need CUDA tensors: a patched module called with tensors on
 another device runs its upstream forward (so a CPU quickstart with ``use_liger_kernel`` works).
 Patching is independent of packing (``use_rmpad``): RMSNorm and SwiGLU act per token.
+
+Under ``torch.compile`` the patched forwards run the upstream torch code instead of Liger's
+ops. Liger's autograd.Functions launch Triton kernels that dynamo cannot trace (it raised an
+AssertionError on the H200), and wrapping them as custom ops would make them opaque: Inductor
+could no longer fuse the norm with the residual add before it or the casts around it. Inductor
+generates fused RMSNorm and SiLU-times-up kernels (forward and backward) from the upstream
+math itself, so compiled blocks lose nothing by skipping Liger; eager blocks keep using it.
 """
 
 from __future__ import annotations
@@ -115,8 +122,8 @@ def _patch_rms_norm(module: nn.Module, original):
         )
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        if not _use_liger(hidden_states):
-            return original(hidden_states)
+        if torch.compiler.is_compiling() or not _use_liger(hidden_states):
+            return original(hidden_states)  # compiled: Inductor fuses the upstream math
         rms_norm, _ = _liger_ops()
         return rms_norm(hidden_states, module.weight, eps)
 
@@ -134,7 +141,7 @@ def _patch_mlp(module: nn.Module, original):
         )
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not _use_liger(x):
+        if torch.compiler.is_compiling() or not _use_liger(x):
             return original(x)
         _, silu_mul = _liger_ops()
         return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))

@@ -1,0 +1,82 @@
+"""Per-block ``torch.compile`` of transformer blocks, as the trainer and the benchmarks apply it.
+
+``compile_blocks(blocks)`` replaces each block's ``forward`` with ``torch.compile(forward)``
+(an instance attribute, like activation checkpointing's wrapper; ``remove()`` restores it).
+Order, as torchtitan applies it: activation checkpointing first (so the checkpoint sits inside
+the compiled region and the compiler sees the recompute), then ``compile_blocks``, then FSDP2's
+``fully_shard`` (its hooks run around ``__call__``, outside the compiled forward).
+
+What makes a block compile whole: ``varlen_attention`` is a custom op under compile (no graph
+break; ``_attention_ops.py``), and Liger-patched RMSNorm/SwiGLU run their upstream torch code
+inside compiled regions (Inductor fuses it, with the residual adds around it; ``_liger.py``).
+``dynamic=True``: the token dimension and ``max_seqlen`` ints are symbolic, so a new pack length
+does not recompile; hidden sizes still specialise (they meet static parameter shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["CompileHandle", "compile_blocks"]
+
+
+@dataclass(kw_only=True, slots=True)
+class CompileHandle:
+    """Undo record of ``compile_blocks``; ``remove()`` restores each block's forward."""
+
+    blocks: list[nn.Module] = field(default_factory=list)
+    _previous: list[object] = field(default_factory=list)
+
+    def remove(self) -> None:
+        for block, previous in zip(self.blocks, self._previous, strict=True):
+            del block.forward
+            if previous is not None:
+                block.forward = previous
+        self.blocks.clear()
+        self._previous.clear()
+
+
+def _raise_dynamo_limits(n_blocks: int) -> None:
+    """Blocks of one class share a code object: dynamo's per-code cache must hold every
+    variant (instances, grad on/off under checkpointing) without falling back to eager."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    want = 4 * n_blocks + 8
+    for key in ("recompile_limit", "cache_size_limit"):  # name changed in torch 2.7
+        if hasattr(cfg, key):
+            setattr(cfg, key, max(getattr(cfg, key), want))
+    for key in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(cfg, key):
+            setattr(cfg, key, max(getattr(cfg, key), 4 * want))
+
+
+def compile_blocks(
+    blocks: Sequence[nn.Module],
+    *,
+    backend: str = "inductor",
+    dynamic: bool | None = True,
+    fullgraph: bool = False,
+) -> CompileHandle:
+    """``torch.compile`` the forward of each block (after AC, before FSDP); see module doc.
+
+    ``backend="aot_eager"`` traces and runs AOTAutograd without Inductor (tests, debugging).
+    ``fullgraph=True`` makes any graph break an error instead of a silent split.
+    Raises dynamo's recompile limits so that all blocks fit (a process-wide setting).
+    """
+    handle = CompileHandle()
+    if not blocks:
+        return handle
+    _raise_dynamo_limits(len(blocks))
+    for block in blocks:
+        previous = block.__dict__.get("forward")  # e.g. the activation-checkpoint wrapper
+        block.forward = torch.compile(
+            block.forward, backend=backend, dynamic=dynamic, fullgraph=fullgraph
+        )
+        handle.blocks.append(block)
+        handle._previous.append(previous)
+    return handle
