@@ -156,3 +156,28 @@ def test_errors():
     assert lo.lr_scale("rms", (4, 16)) == pytest.approx(0.8)
     assert lo.lr_scale("spectral", (4, 16)) == pytest.approx(0.5)
     assert lo.lr_scale("original", (16, 4)) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("method", ["gram", "standard"])
+def test_muon_methods_match_published_step(method):
+    """Muon with either NS method (wide, tall — no transpose — and a stacked pair) equals the
+    published per-matrix step within bf16 tolerance."""
+    g = torch.Generator().manual_seed(7)
+    shapes = [(16, 64), (64, 16), (64, 16), (6, 4, 5)]
+    params = [nn.Parameter(torch.randn(*s, generator=g) * 0.1) for s in shapes]
+    groups = [{"params": params, "use_muon": True}]
+    opt = lo.Muon(groups, lr=0.03, weight_decay=0.1, adjust_lr="rms", ns_method=method)
+    assert opt.ns_method == method
+    bufs = [torch.zeros_like(p) for p in params]
+    for _ in range(2):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        before = [p.detach().clone() for p in params]
+        for p, gr in zip(params, grads):
+            p.grad = gr.clone()
+        opt.step()
+        for p, p0, b, gr in zip(params, before, bufs, grads):
+            r = p0.clone()
+            muon_step(r, gr, b, lr=0.03, momentum=0.95, nesterov=True, wd=0.1, adjust_lr="rms")
+            assert rel(p.detach() - p0, r - p0) < 0.06
+    with pytest.raises(ValueError, match="method"):
+        lo.Muon(params, ns_method="fast")  # type: ignore[arg-type]

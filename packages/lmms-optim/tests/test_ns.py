@@ -1,6 +1,6 @@
 import pytest
 import torch
-from optim_reference import JORDAN, assert_ns_close, ns5
+from optim_reference import JORDAN, assert_ns_close, ns5, ns_exact, rel
 
 import lmms_optim as lo
 
@@ -55,3 +55,60 @@ def test_triton_backend_refuses_cpu_without_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         lo.newton_schulz(torch.randn(8, 8), backend="triton")
+
+
+GRAM_SHAPES = [(40, 300), (300, 40), (7, 33), (33, 7), (1, 8), (3, 64, 200), (3, 200, 64)]
+
+
+@pytest.mark.parametrize(
+    ("shape", "schedule"),
+    [(s, "jordan") for s in GRAM_SHAPES] + [(s, "polar_express") for s in GRAM_SHAPES[:2]],
+)  # (polar express' published bf16 run is itself 0.08-0.25 off float64 below m ~ 24)
+def test_gram_form_matches_published_iteration(shape, schedule):
+    """Same polynomial on m×m matrices: within bf16 tolerance of the published iteration and
+    no further from float64 than it (wide and tall, odd shapes, stacks)."""
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+    sch = lo.COEFFICIENT_SCHEDULES[schedule]
+    out = lo.newton_schulz(G, coefficients=schedule, method="gram")
+    assert out.shape == G.shape
+    assert_ns_close(out, G, 5, list(sch.coefficients), sch.norm_scale)
+
+
+def test_gram_form_ill_conditioned_and_auto_rule():
+    """Singular values spread over 1e-4..1: the bf16 Gram form with its restart stays at least as
+    close to float64 as the published bf16 iteration (without the restart it would not)."""
+    from lmms_optim._ns import GRAM_MIN_ASPECT, _use_gram
+
+    g = torch.Generator().manual_seed(0)
+    m, n = 64, 256
+    U, _ = torch.linalg.qr(torch.randn(m, m, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, m, generator=g, dtype=torch.float64))
+    G = ((U * torch.logspace(0, -4, m, dtype=torch.float64)) @ V.T).float()
+    exact = ns_exact(G)
+    err_gram = rel(lo.newton_schulz(G, method="gram"), exact)
+    err_pub = rel(lo.newton_schulz_reference(G), exact)
+    assert err_gram <= err_pub, (err_gram, err_pub)
+    H = torch.randn(200, 48, generator=g)  # tall; step counts around the restart boundaries
+    for steps in (1, 2, 3, 4, 6, 7):  # (both bf16 runs drift apart over many steps: compare
+        exact = ns_exact(H, steps)  # each with float64 rather than with each other)
+        err = rel(lo.newton_schulz(H, steps, method="gram"), exact)
+        assert err <= 1.25 * rel(lo.newton_schulz_reference(H, steps), exact) + 5e-3, steps
+    assert _use_gram("auto", "auto", 2048, 11008) and _use_gram("auto", "torch", 11008, 2048)
+    assert not _use_gram("auto", "auto", 2048, 2048) and not _use_gram("auto", "triton", 8, 64)
+    assert GRAM_MIN_ASPECT >= 2 and _use_gram("gram", "auto", 4, 4)
+    assert not _use_gram("standard", "auto", 8, 64)
+    with pytest.raises(ValueError, match="method"):
+        lo.newton_schulz(G, method="fast")  # type: ignore[arg-type]
+
+
+def test_standard_tall_stack_without_transpose():
+    """The torch backend's right-multiplication form on a tall stack equals the transposed wide
+    run (the same polynomial) within bf16 tolerance."""
+    from lmms_optim._ns import _ns_torch
+
+    G = torch.randn(3, 56, 24, generator=torch.Generator().manual_seed(1))
+    X = (G / G.norm(dim=(-2, -1), keepdim=True)).bfloat16()
+    tall = _ns_torch(X, JORDAN * 5)
+    wide = _ns_torch(X.mT.contiguous(), JORDAN * 5)
+    assert tall.shape == G.shape and rel(tall, wide.mT) < 0.02
+    assert_ns_close(lo.newton_schulz(G, method="standard", backend="torch"), G)
