@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness
 
 import lmms_optim as lo
-from lmms_optim._ns import _prepare
 from lmms_optim._triton_ns import ns_triton
 
 DEFAULT_SHAPES = "896x896,896x4864,2048x11008,4096x4096,4096x14336,8192x28672"
@@ -80,35 +79,53 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
+def flops(m: int, n: int, method: str) -> float:
+    """FLOP model of 5 NS steps on an m×n matrix (m <= n): standard 5·(4m²n + 2m³); Gram form
+    with one restart (benchmarks/optim/ns_accuracy.py, docs/muon.md) 8m²n + 28m³."""
+    m, n = min(m, n), max(m, n)
+    return 5 * (4 * m * m * n + 2 * m**3) if method == "standard" else 8 * m * m * n + 28 * m**3
+
+
 def bench_one(m: int, n: int, iters: int) -> dict:
     G = torch.randn(m, n, device=DEVICE)
-    X, _ = _prepare(G, 1.0, 1e-7)
-    X3 = X.reshape(1, *X.shape)
+    W = G if m <= n else G.mT  # the Triton kernels take the wide orientation
+    X3 = (W / W.norm()).to(torch.bfloat16).contiguous().reshape(1, min(m, n), max(m, n))
     t_ref = cuda_time(lambda: lo.newton_schulz_reference(G), iters)
     t_lmms = cuda_time(lambda: lo.newton_schulz(G), iters)
+    t_std = cuda_time(lambda: lo.newton_schulz(G, method="standard"), iters)
+    t_gram = cuda_time(lambda: lo.newton_schulz(G, method="gram"), iters)
     t_tri = t_bad = float("nan")  # the Triton-only variants need the GPU
     if DEVICE == "cuda":
         t_tri = cuda_time(lambda: ns_triton(X3.clone(), JORDAN5, step="triton"), iters)
         t_bad = cuda_time(lambda: ns_triton(X3.clone(), JORDAN5, step="baddbmm"), iters)
     t_torch = cuda_time(lambda: lo.newton_schulz(G, backend="torch"), iters)
-    err = rel(lo.newton_schulz(G), lo.newton_schulz_reference(G))
-    flops = 5 * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)  # reference FLOPs
+    ref = lo.newton_schulz_reference(G)
+    err = rel(lo.newton_schulz(G), ref)
+    err_gram = rel(lo.newton_schulz(G, method="gram"), ref)
+    f_std, f_gram = flops(m, n, "standard"), flops(m, n, "gram")
     return dict(shape=f"{m}x{n}", ref_ms=t_ref * 1e3, lmms_ms=t_lmms * 1e3,
+                standard_ms=t_std * 1e3, gram_ms=t_gram * 1e3,
                 triton_step_ms=t_tri * 1e3, baddbmm_step_ms=t_bad * 1e3,
                 torch_backend_ms=t_torch * 1e3, speedup=t_ref / t_lmms,
-                ref_tflops=flops / t_ref / 1e12, rel_err=err)  # fmt: skip
+                gram_speedup=t_ref / t_gram, flop_ratio=f_std / f_gram,
+                ref_tflops=f_std / t_ref / 1e12, gram_tflops=f_gram / t_gram / 1e12,
+                rel_err=err, gram_rel_err=err_gram)  # fmt: skip
 
 
 def bench_shapes(shapes, iters):
     rows, out = [], []
     for m, n in shapes:
         r = bench_one(m, n, iters)
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         out.append(r)
         rows.append([r["shape"], f"{r['ref_ms']:.2f}", f"{r['lmms_ms']:.2f}",
+                     f"{r['standard_ms']:.2f}", f"{r['gram_ms']:.2f}",
                      f"{r['triton_step_ms']:.2f}", f"{r['baddbmm_step_ms']:.2f}",
                      f"{r['torch_backend_ms']:.2f}", f"{r['speedup']:.2f}x",
-                     f"{r['ref_tflops']:.0f}", f"{r['rel_err']:.3f}"])  # fmt: skip
+                     f"{r['gram_speedup']:.2f}x", f"{r['flop_ratio']:.2f}",
+                     f"{r['ref_tflops']:.0f}", f"{r['gram_tflops']:.0f}",
+                     f"{r['rel_err']:.3f}", f"{r['gram_rel_err']:.3f}"])  # fmt: skip
     return rows, out
 
 
@@ -187,6 +204,10 @@ def bench_model(iters):
     worst = max(errs)
     t_lmms = cuda_time(opt.step, iters, warmup=1)
     phases = phase_breakdown(opt, iters)
+    opt.ns_method = "standard"  # the same optimizer with the Gram form off, for comparison
+    t_std = cuda_time(opt.step, iters, warmup=1)
+    phases_std = phase_breakdown(opt, iters)
+    opt.ns_method = "auto"
     ref_step = functools.partial(reference_muon_step, ref_mats, ref_grads, ref_bufs, lr, wd)
     t_ref_mats = cuda_time(ref_step, iters, warmup=1)
     t_adamw_rest = cuda_time(adamw.step, iters, warmup=1)
@@ -199,7 +220,8 @@ def bench_model(iters):
         n_params=n_params, n_matrices=len(mats), lmms_ms=t_lmms * 1e3, ref_ms=t_ref * 1e3,
         ref_matrix_part_ms=t_ref_mats * 1e3, adamw_rest_ms=t_adamw_rest * 1e3,
         fused_adamw_all_ms=t_adamw_all * 1e3, speedup=t_ref / t_lmms, worst_rel_err=worst,
-        peak_gib=peak, phases_ms=phases,
+        peak_gib=peak, phases_ms=phases, standard_ms=t_std * 1e3,
+        phases_standard_ms=phases_std,
     )  # fmt: skip
 
 
@@ -236,26 +258,32 @@ def main() -> int:
     )
 
     t1 = harness.markdown_table(
-        ["shape", "torch ref NS5 ms", "lmms ms", "triton step ms", "cuBLAS step ms",
-         "torch backend ms", "speedup", "ref TFLOP/s", "rel err"], rows)  # fmt: skip
+        ["shape", "torch ref NS5 ms", "lmms (auto) ms", "standard ms", "gram ms",
+         "triton step ms", "cuBLAS step ms", "torch backend ms", "speedup (auto)",
+         "speedup (gram)", "FLOPs std/gram", "ref TFLOP/s", "gram TFLOP/s", "rel err",
+         "gram rel err"], rows)  # fmt: skip
     m = model
     t2 = harness.markdown_table(
         ["step (Qwen2.5-VL-3B shapes)", "ms", "vs reference"],
         [["per-matrix torch-reference Muon + fused AdamW (rest)", f"{m['ref_ms']:.1f}", "1.00x"],
-         ["lmms_optim.Muon (batched Triton NS + AdamW side)", f"{m['lmms_ms']:.1f}", f"{m['speedup']:.2f}x"],
+         ["lmms_optim.Muon (default: ns_method=auto)", f"{m['lmms_ms']:.1f}", f"{m['speedup']:.2f}x"],
+         ["lmms_optim.Muon (ns_method=standard)", f"{m['standard_ms']:.1f}", f"{m['ref_ms'] / m['standard_ms']:.2f}x"],
          ["fused torch AdamW, all params", f"{m['fused_adamw_all_ms']:.1f}", f"{m['ref_ms'] / m['fused_adamw_all_ms']:.2f}x"]],
     )  # fmt: skip
-    ph = m["phases_ms"]
+    ph, ph_std = m["phases_ms"], m["phases_standard_ms"]
     t_ph = harness.markdown_table(
-        ["lmms_optim.Muon phase", "ms", "share"],
-        [[k, f"{v:.1f}", f"{v / max(sum(ph.values()), 1e-9):.0%}"] for k, v in ph.items()],
-    )
+        ["lmms_optim.Muon phase", "ms (auto)", "share", "ms (standard)"],
+        [[k, f"{v:.1f}", f"{v / max(sum(ph.values()), 1e-9):.0%}", f"{ph_std.get(k, 0.0):.1f}"]
+         for k, v in ph.items()],
+    )  # fmt: skip
     t3 = harness.markdown_table(
         ["target", "verdict"], [[v, "PASS" if ok else "FAIL"] for v, ok in verdicts]
     )
     notes = (f"{m['n_params'] / 1e9:.2f}B params, {m['n_matrices']} Muon matrices; worst per-matrix "
              f"update rel. error vs reference {m['worst_rel_err']:.3f}; peak {m['peak_gib']:.0f} GiB. "
-             "lmms = default backend (Triton symmetric Gram kernels + cuBLAS fused step).")  # fmt: skip
+             "lmms = defaults: ns_method='auto' (Gram form for aspect >= 2.5, cuBLAS bf16, "
+             "one restart) and backend='auto' (Triton symmetric Gram kernels + cuBLAS fused step "
+             "for the standard iteration).")  # fmt: skip
     body = f"{t1}\n\n{t2}\n\n{notes}\n\n{t_ph}\n\n{t3}\n"
     title = "lmms-optim: Newton-Schulz and Muon step (benchmarks/optim/bench_muon.py)"
     command = "python benchmarks/optim/bench_muon.py --write"
