@@ -17,8 +17,10 @@ Synthetic image+text samples: 224-672 px images (0-2 per sample, ~20% text-only)
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 master weights cast to
     bf16 once per block and step; bf16 residual stream and saved activations). Without it:
     fp32 weights under bf16 autocast (per-op casts, fp32 residual stream).
-  - ``compile``: ``torch.compile(dynamic=True)`` of each block's forward (inside the
-    checkpoint); attention stays eager (``lmms_kernels`` keeps the kernel call out of graphs).
+  - ``compile``: ``lmms_kernels.compile_blocks`` on every decoder and vision block, the
+    trainer's ``trainer_args.compile``: ``torch.compile(dynamic=True)`` of each block's forward
+    after its checkpoint wrapper (the checkpoint sits inside the graph) and before FSDP;
+    attention is a custom op (no graph break), Liger's ops give way to Inductor's fusion.
 * ``hf-sdpa`` / ``hf-sdpa-liger``: plain transformers, ``model(..., labels=...)`` with SDPA and
   gradient checkpointing, the same samples in padded micro-batches of at most
   ``--hf-micro-tokens`` padded tokens (gradient accumulation, one optimizer step per pack); the
@@ -233,8 +235,8 @@ def parse_variant(text: str) -> dict[str, Any]:
             raise ValueError(f"variant {text!r}: AC fraction must be in [0, 1]")
         if mode == "sel" and "compile" in flags:
             raise NotImplementedError(
-                "sel/compile: op-level selective checkpointing sees no aten ops inside compiled "
-                "graphs; use a block fraction with compile"
+                "sel/compile: op-level selective checkpointing under compile is not measured "
+                "here; use a block fraction with compile"
             )
     return {
         "ac_lm": ac_lm,
@@ -264,12 +266,9 @@ def _sel_context():
 
 
 def wrap_blocks(blocks, *, ac: str, compile_blocks: bool) -> None:
-    """Per block: ``torch.compile`` its forward, then checkpoint the (compiled) forward.
-
-    Compile sits *inside* the checkpoint so that the graph breaks at the attention call do not
-    break the checkpoint region; the recompute replays the same compiled graphs. (lmms_parallel
-    owns AC and compile in the trainer; this is the measured ordering to port there.)
-    """
+    """Per block: checkpoint its forward (the chosen blocks), then ``torch.compile`` it with the
+    trainer's helper (``lmms_kernels.compile_blocks``): AC, compile, then FSDP (torchtitan's
+    order; ``shard_bf16`` runs after this)."""
     if ac == "none":
         chosen: set[int] = set()
     elif ac in ("full", "sel"):
@@ -277,19 +276,19 @@ def wrap_blocks(blocks, *, ac: str, compile_blocks: bool) -> None:
     else:
         chosen = {id(b) for b in select_blocks(blocks, float(ac))}
     for block in blocks:
-        fn = block.forward
-        if compile_blocks:
-            fn = torch.compile(fn, dynamic=True)
         if id(block) in chosen:
             extra = {"context_fn": _sel_context()} if ac == "sel" else {}
 
-            def fn(*args, _inner=fn, _extra=extra, **kwargs):
+            def fn(*args, _inner=block.forward, _extra=extra, **kwargs):
                 if not torch.is_grad_enabled():
                     return _inner(*args, **kwargs)
                 return checkpoint(_inner, *args, use_reentrant=False, **_extra, **kwargs)
 
-        if fn is not block.forward:
             block.forward = fn
+    if compile_blocks:
+        import lmms_kernels
+
+        lmms_kernels.compile_blocks(blocks)
 
 
 def _free_port() -> int:
@@ -346,6 +345,7 @@ def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dic
         torch.cuda.reset_peak_memory_stats()
     first = None
     try:
+        batch = None
         for i, batch in enumerate(batches):
             if cuda:
                 torch.cuda.synchronize()
@@ -368,7 +368,7 @@ def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dic
         traceback.print_exc()
         return {"run": name, "status": f"error: {type(e).__name__}: {str(e)[:200]}"}
     if PROFILE and cuda and times:
-        profile_step(name, step_fn, batches[-1])
+        profile_step(name, step_fn, batch)
     n_timed = len(times)
     if not n_timed:
         return {"run": name, "status": f"too slow: first step {first:.0f} s"}
@@ -574,10 +574,6 @@ def main() -> None:
     for item in args.variant_tokens:
         name, t = item.rsplit("@", 1)
         only.setdefault(name, set()).add(min(int(t), 256) if args.tiny else int(t))
-    if any(parse_variant(v)["compile"] for v in args.variants):
-        for key in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
-            if hasattr(torch._dynamo.config, key):
-                setattr(torch._dynamo.config, key, 256)
     spec = get_model_spec("qwen2_5_vl")
     config = spec.tiny_config() if args.tiny else spec.preset("3b")
     results: list[dict[str, Any]] = []

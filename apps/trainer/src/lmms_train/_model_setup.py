@@ -2,8 +2,8 @@
 
 Order (STYLE.md #3): build (on several ranks: on the meta device, with the weights read or
 randomly initialised once on rank 0; on one process: directly on the device) -> freeze -> Liger
--> attention (+ Ulysses wrapper) -> activation checkpointing -> FSDP2 -> materialise and load the
-weights (rank 0 broadcasts into every rank's shards).
+-> attention (+ Ulysses wrapper) -> activation checkpointing -> compile (per block) -> FSDP2 ->
+materialise and load the weights (rank 0 broadcasts into every rank's shards).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,8 @@ def build_model(
         wrapper = UlyssesAttention(sp_group(env.mesh))
         spec.set_attention(model, backend=attn, wrapper=wrapper)  # inputs are sliced in _forward
     handles += _apply_ac(model, spec, t)
+    if t.compile:
+        handles.append(_apply_compile(model, spec))
     if env.fsdp:
         from lmms_parallel import apply_fsdp, fsdp_mesh
 
@@ -251,6 +254,20 @@ def _apply_ac(model: nn.Module, spec: Any, t: Any) -> list[Any]:
         if mode != "none" and chosen:
             handles.append(apply_activation_checkpointing(chosen, mode=mode))
     return handles
+
+
+COMPILE_BACKEND_ENV = "LMMS_TRAIN_COMPILE_BACKEND"
+
+
+def _apply_compile(model: nn.Module, spec: Any) -> Any:
+    """`torch.compile` every vision and decoder block (after AC, so each checkpoint sits inside
+    its compiled block; before FSDP, whose hooks stay outside). Inductor unless the environment
+    variable `LMMS_TRAIN_COMPILE_BACKEND` names another dynamo backend (`aot_eager` checks the
+    tracing without Inductor's code generation: the tests use it on CPU)."""
+    from lmms_kernels import compile_blocks
+
+    backend = os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+    return compile_blocks(spec.vision_blocks(model) + spec.decoder_blocks(model), backend=backend)
 
 
 def _apply_liger(model: nn.Module, spec: Any, env: DistEnv) -> Any:

@@ -60,6 +60,7 @@ class _FamilySpec:
 
 LIGER_FAMILIES: dict[str, _FamilySpec] = {
     "qwen2": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),
+    "qwen2_5": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),  # Qwen2 modules
     "qwen3": _FamilySpec(rms_norm=("Qwen3RMSNorm",), mlp=("Qwen3MLP",)),
     "qwen3_moe": _FamilySpec(rms_norm=("Qwen3MoeRMSNorm",), mlp=("Qwen3MoeMLP",)),
     "qwen2_5_vl": _FamilySpec(rms_norm=("Qwen2_5_VLRMSNorm",), mlp=("Qwen2MLP", "Qwen2_5_VLMLP")),
