@@ -34,7 +34,9 @@ def call_through_root(model: nn.Module, fn: Callable[[], Any]) -> Any:
     """Run `fn()` as `model`'s forward, so module hooks (FSDP2's root unit) fire around it."""
     model.forward = lambda *_a, **_k: fn()  # instance attribute shadows the class method
     try:
-        return model()
+        # A keyword, not `model()`: FSDP2 in torch <= 2.11 indexes its moved inputs on CUDA and
+        # fails (IndexError) when a root is called with no arguments at all.
+        return model(lmms_root_call=True)
     finally:
         del model.forward
 

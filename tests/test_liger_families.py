@@ -1,0 +1,21 @@
+"""Every model family the trainer can build has a Liger patch plan (``use_liger_kernel`` is on by
+default, so a missing plan fails the run on the GPU only: the H200 benchmark found qwen2_5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmms_kernels import LIGER_FAMILIES
+from lmms_models import get_model_spec, list_models
+
+
+@pytest.mark.parametrize("family", list_models())
+def test_family_has_liger_plan_naming_its_modules(family):
+    assert family in LIGER_FAMILIES, f"no Liger plan for {family}"
+    spec = get_model_spec(family)
+    model = spec.build(config=spec.tiny_config(), device="meta")
+    classes = {type(m).__name__ for m in model.modules()}
+    plan = LIGER_FAMILIES[family]
+    assert set(plan.rms_norm) & classes, (family, plan.rms_norm)
+    if family != "qwen3_moe" or set(plan.mlp) & classes:
+        assert set(plan.mlp) & classes, (family, plan.mlp)
