@@ -265,7 +265,7 @@ def _sel_context():
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
-def wrap_blocks(blocks, *, ac: str, compile_blocks: bool) -> None:
+def wrap_blocks(blocks, *, ac: str, compile_blocks: bool, backend: str = "inductor") -> None:
     """Per block: checkpoint its forward (the chosen blocks), then ``torch.compile`` it with the
     trainer's helper (``lmms_kernels.compile_blocks``): AC, compile, then FSDP (torchtitan's
     order; ``shard_bf16`` runs after this)."""
@@ -288,7 +288,7 @@ def wrap_blocks(blocks, *, ac: str, compile_blocks: bool) -> None:
     if compile_blocks:
         import lmms_kernels
 
-        lmms_kernels.compile_blocks(blocks)
+        lmms_kernels.compile_blocks(blocks, backend=backend)
 
 
 def _free_port() -> int:
@@ -452,8 +452,11 @@ def run_lmms(spec, config, variant: str, n_tokens: int, args, device) -> dict[st
             liger = "rmsnorm+swiglu"
         except Exception as e:  # reported in the table, the run goes on without it
             liger = f"failed: {type(e).__name__}"
-    wrap_blocks(spec.decoder_blocks(model), ac=v["ac_lm"], compile_blocks=v["compile"])
-    wrap_blocks(spec.vision_blocks(model), ac=v["ac_vit"], compile_blocks=v["compile"])
+    # --tiny (CPU plumbing): dynamo + AOTAutograd without Inductor, whose CPU code generation
+    # takes minutes; the GPU run compiles with Inductor, as trainer_args.compile does
+    cb = "aot_eager" if args.tiny else "inductor"
+    wrap_blocks(spec.decoder_blocks(model), ac=v["ac_lm"], compile_blocks=v["compile"], backend=cb)
+    wrap_blocks(spec.vision_blocks(model), ac=v["ac_vit"], compile_blocks=v["compile"], backend=cb)
     if v["fsdp"]:
         shard_bf16(spec, model, device)
         autocast = torch.autocast(device.type, enabled=False)
