@@ -191,6 +191,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "save_final": False,
             "report_to": [],
             "profile_step_breakdown": True,
+            "compile": args.compile,
             "seed": 0,
         },
     }
@@ -217,6 +218,8 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
     )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
+        if os.environ.get("OUT"):  # the whole log, for the traceback
+            Path(os.environ["OUT"], f"{name}.log").write_text(proc.stderr[-60000:])
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"case": name, "status": "error", "error": " | ".join(tail)[-300:]}
     rows = [
@@ -385,6 +388,7 @@ def main() -> None:
         choices=["same", "none", "full", "selective"],
         help="trainer_args.vision_activation_checkpointing (same: --ac and --ac-fraction)",
     )
+    p.add_argument("--compile", action="store_true", help="trainer_args.compile: blocks compiled")
     p.add_argument("--records", type=int, default=3000)
     p.add_argument("--work", default="/tmp/lmms-bench-train")
     p.add_argument("--case-timeout", type=int, default=400)
