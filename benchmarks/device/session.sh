@@ -1,0 +1,31 @@
+# One device call that runs named stages under a wall-clock budget (the call's limit is 600 s).
+#   STAGES="tests muon packed train" BUDGET=570 bash benchmarks/device/session.sh
+# Source benchmarks/device/setup.sh first (same call). Every stage writes its log to $OUT; a
+# stage gets min(its cap, what is left of BUDGET) seconds, so a slow stage cannot eat the rest.
+set -u
+start=$(date +%s)
+left() { echo $(( BUDGET - ($(date +%s) - start) )); }
+cap() { local l; l=$(left); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }
+stage() {  # name cap command...
+  local name=$1 c; c=$(cap "$2"); shift 2
+  if [ "$c" -lt 20 ]; then echo "[$name] skipped: ${c}s left"; return; fi
+  echo "[$name] up to ${c}s: $*"
+  timeout "$c" "$@" > "$OUT/$name.txt" 2>&1; echo "[$name] rc=$? after $(( $(date +%s) - start ))s"
+  tail -n "${TAIL:-6}" "$OUT/$name.txt"
+}
+for s in $STAGES; do
+  case $s in
+    tests) stage gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-optim/tests/test_triton_gpu.py packages/lmms-kernels/tests apps/trainer/tests/test_step.py ;;
+    muon) stage bench_muon 140 python3 benchmarks/optim/bench_muon.py --write
+      cp benchmarks/RESULTS.md "$OUT/RESULTS.muon.md" ;;
+    packed) stage packed 190 python3 benchmarks/models/bench_packed.py --tokens 16384 --steps 5 \
+      --warmup 2 --variants 0.5:none/fsdp 0.5:none/fsdp/compile --baselines --profile --max-variant-s 60 ;;
+    train) stage train 150 python3 benchmarks/train/bench_train.py --cases ${TRAIN_CASES:-vl3b_16k} \
+      --steps ${TRAIN_STEPS:-6} --warmup 3 --records 1200 --ac-fraction 0.5 --vision-ac none \
+      --case-timeout ${CASE_TIMEOUT:-150} ${TRAIN_FLAGS:-} ;;
+    calib) stage calib_vl 200 python3 .calib/qwen2_5_vl.py 16384
+      stage calib_text 150 python3 .calib/text_decoder.py fa4 16384 ac ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
