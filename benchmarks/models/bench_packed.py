@@ -222,12 +222,15 @@ def padded_batch(model, pack, device):
 
 # ----------------------------------------------------------------------------- variants
 def parse_variant(text: str) -> dict[str, Any]:
-    """``AC[/fsdp][/compile]`` -> {"ac_lm", "ac_vit", "fsdp", "compile"}; ``AC`` is one mode for
-    both towers or ``LM:VIT`` (e.g. ``0.5:none``)."""
+    """``AC[/fsdp][/compile][/noalign]`` -> {"ac_lm", "ac_vit", "fsdp", "compile", "align"};
+    ``AC`` is one mode for both towers or ``LM:VIT`` (e.g. ``0.5:none``); ``noalign`` runs the
+    Liger SwiGLU without padding the ViT MLP's 3420 width to 3424 (the lever's "before")."""
     ac, *flags = text.split("/")
-    unknown = set(flags) - {"fsdp", "compile"}
+    unknown = set(flags) - {"fsdp", "compile", "noalign"}
     if unknown:
-        raise ValueError(f"variant {text!r}: unknown flags {sorted(unknown)} (fsdp, compile)")
+        raise ValueError(
+            f"variant {text!r}: unknown flags {sorted(unknown)} (fsdp, compile, noalign)"
+        )
     ac_lm, _, ac_vit = ac.partition(":")
     ac_vit = ac_vit or ac_lm
     for mode in (ac_lm, ac_vit):
@@ -243,6 +246,7 @@ def parse_variant(text: str) -> dict[str, Any]:
         "ac_vit": ac_vit,
         "fsdp": "fsdp" in flags,
         "compile": "compile" in flags,
+        "align": "noalign" not in flags,
     }
 
 
@@ -448,8 +452,8 @@ def run_lmms(spec, config, variant: str, n_tokens: int, args, device) -> dict[st
         try:
             import lmms_kernels
 
-            lmms_kernels.apply_liger(model, "qwen2_5_vl")
-            liger = "rmsnorm+swiglu"
+            lmms_kernels.apply_liger(model, "qwen2_5_vl", align_mlp=v["align"])
+            liger = "rmsnorm+swiglu" + ("" if v["align"] else " (unaligned MLP)")
         except Exception as e:  # reported in the table, the run goes on without it
             liger = f"failed: {type(e).__name__}"
     # --tiny (CPU plumbing): dynamo + AOTAutograd without Inductor, whose CPU code generation

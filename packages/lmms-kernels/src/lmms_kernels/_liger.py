@@ -32,6 +32,17 @@ silently patching less. Liger's ops need CUDA tensors: a patched module called w
 another device runs its upstream forward (so a CPU quickstart with ``use_liger_kernel`` works).
 Patching is independent of packing (``use_rmpad``): RMSNorm and SwiGLU act per token.
 
+SwiGLU MLPs whose intermediate width is not a multiple of 8 (Qwen2.5-VL's vision MLP: 3420)
+run with the gate/up weights zero-padded to the next multiple of 8 and the down weight's
+columns likewise (``_aligned_swiglu``). The ``[tokens, 3420]`` bf16 activations have a row
+pitch of 6840 bytes, not a multiple of 16, so cuBLAS cannot use its Hopper kernels for any of
+the MLP's GEMMs (forward or backward) and falls back to SM80 CUTLASS ones: on the H200 these ran
+at ~210 TFLOP/s and took ~23% of a packed Qwen2.5-VL-3B step (benchmarks/models/NOTES.md). The
+padding is exact: the padded gate/up outputs are exactly 0, ``silu(0)·0 = 0``, and zero
+columns of the down weight add exact zeros; ``F.pad``'s backward slices the weight gradients
+back, so the padded entries never exist outside the forward. The copies cost a few MB per layer.
+``apply_liger(..., align_mlp=False)`` turns it off (the benchmark's before/after).
+
 Under ``torch.compile`` the patched forwards run the upstream torch code instead of Liger's
 ops. Liger's autograd.Functions launch Triton kernels that dynamo cannot trace (it raised an
 AssertionError on the H200), and wrapping them as custom ops would make them opaque: Inductor
@@ -131,7 +142,7 @@ def _patch_rms_norm(module: nn.Module, original):
     return forward
 
 
-def _patch_mlp(module: nn.Module, original):
+def _patch_mlp(module: nn.Module, original, align: bool = True):
     missing = [n for n in ("gate_proj", "up_proj", "down_proj") if not hasattr(module, n)]
     if missing:
         raise RuntimeError(f"{type(module).__name__} lacks {missing}: not a SwiGLU MLP")
@@ -141,23 +152,56 @@ def _patch_mlp(module: nn.Module, original):
             f"{type(module).__name__} uses activation {type(act).__name__}, not SiLU: Liger SwiGLU does not apply"
         )
 
+    pad = -module.gate_proj.out_features % _ALIGN if align else 0
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() or not _use_liger(x):
+            if pad and x.is_cuda:
+                return _aligned_swiglu(module, x, pad, _torch_silu_mul)
             return original(x)
         _, silu_mul = _liger_ops()
+        if pad:
+            return _aligned_swiglu(module, x, pad, silu_mul)
         return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
 
     return forward
 
 
+_ALIGN = 8  # bf16 elements per 16 bytes: the row pitch cuBLAS' Hopper GEMMs need
+
+
+def _torch_silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(a) * b
+
+
+def _aligned_swiglu(module: nn.Module, x: torch.Tensor, pad: int, silu_mul) -> torch.Tensor:
+    """``down(silu(gate(x)) · up(x))`` with the intermediate width zero-padded by ``pad`` so every
+    GEMM sees 16-byte-aligned rows; equal to the unpadded MLP (the padded lanes are exact 0)."""
+    F = torch.nn.functional
+    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+
+    def rows(linear: nn.Module) -> torch.Tensor:  # weight [I, H] -> [I + pad, H]
+        bias = None if linear.bias is None else F.pad(linear.bias, (0, pad))
+        return F.linear(x, F.pad(linear.weight, (0, 0, 0, pad)), bias)
+
+    h = silu_mul(rows(gate), rows(up))  # [T, I + pad], last pad lanes exactly 0
+    return F.linear(h, F.pad(down.weight, (0, pad)), down.bias)  # down: [H, I] -> [H, I + pad]
+
+
 def apply_liger(
-    model: nn.Module, family: str, *, rms_norm: bool = True, swiglu: bool = True
+    model: nn.Module,
+    family: str,
+    *,
+    rms_norm: bool = True,
+    swiglu: bool = True,
+    align_mlp: bool = True,
 ) -> PatchHandle:
     """Patch this model instance's RMSNorm and SwiGLU MLP modules with Liger kernels.
 
     ``family`` is the transformers model type (see ``LIGER_FAMILIES``). Returns a handle whose
     ``remove()`` restores the model exactly. Raises if liger-kernel is missing, the family is
     unknown, the model is already patched, or an expected module kind is not found.
+    ``align_mlp``: pad MLP intermediate widths that are not a multiple of 8 (module docstring).
     """
     if family not in LIGER_FAMILIES:
         raise ValueError(
@@ -169,7 +213,7 @@ def apply_liger(
     if rms_norm:
         plan.append(("rms_norm", spec.rms_norm, _patch_rms_norm))
     if swiglu:
-        plan.append(("swiglu", spec.mlp, _patch_mlp))
+        plan.append(("swiglu", spec.mlp, functools.partial(_patch_mlp, align=align_mlp)))
     handle = PatchHandle(family=family)
     try:
         for kind, class_names, make in plan:
