@@ -17,6 +17,13 @@ for s in $STAGES; do
   case $s in
     tests) stage gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/lmms-optim/tests/test_triton_gpu.py packages/lmms-kernels/tests apps/trainer/tests/test_step.py ;;
+    quicktests) stage gpu_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-optim/tests/test_triton_gpu.py packages/lmms-kernels/tests/test_aligned_swiglu.py \
+      packages/lmms-kernels/tests/test_liger.py apps/trainer/tests/test_step.py ;;
+    issue5) stage packed 260 python3 benchmarks/models/bench_packed.py --tokens 16384 32768 --steps 4 \
+      --warmup 2 --variants 0.5:none/fsdp 0.5:none/fsdp/noalign full/fsdp \
+      --variant-tokens 0.5:none/fsdp@16384 0.5:none/fsdp/noalign@16384 full/fsdp@32768 \
+      --baselines hf-sdpa hf-sdpa-liger --max-variant-s 60 ;;
     muon) stage bench_muon 140 python3 benchmarks/optim/bench_muon.py --write
       cp benchmarks/RESULTS.md "$OUT/RESULTS.muon.md" ;;
     packed) stage packed 190 python3 benchmarks/models/bench_packed.py --tokens 16384 --steps 5 \
@@ -24,6 +31,7 @@ for s in $STAGES; do
     train) stage train 150 python3 benchmarks/train/bench_train.py --cases ${TRAIN_CASES:-vl3b_16k} \
       --steps ${TRAIN_STEPS:-6} --warmup 3 --records 1200 --ac-fraction 0.5 --vision-ac none \
       --case-timeout ${CASE_TIMEOUT:-150} ${TRAIN_FLAGS:-} ;;
+    calibvl) stage calib_vl 200 python3 .calib/qwen2_5_vl.py 16384 ;;
     calib) stage calib_vl 200 python3 .calib/qwen2_5_vl.py 16384
       stage calib_text 150 python3 .calib/text_decoder.py fa4 16384 ac ;;
     *) echo "unknown stage $s" ;;
