@@ -76,6 +76,9 @@ def test_pending_scalars_do_not_wait_for_the_device():
     """The copy is queued behind the step's work: constructing it returns while the device is
     still busy (a long matmul chain), and wait() then gives the exact values."""
     dev = torch.device("cuda")
+    # Warm the pinned-memory cache: the very first pinned allocation (cudaHostAlloc) may wait for
+    # the device; in the loop every later step reuses a cached block.
+    PendingScalars(torch.zeros((), device=dev)).wait()
     x = torch.randn(4096, 4096, device=dev)
     clock = StepClock(dev)
     for _ in range(50):
