@@ -74,18 +74,23 @@ def test_step_clock_needs_end_and_measures_wall_time_on_cpu():
 @pytest.mark.gpu
 def test_pending_scalars_do_not_wait_for_the_device():
     """The copy is queued behind the step's work: constructing it returns while the device is
-    still busy (a long matmul chain), and wait() then gives the exact values."""
+    still busy (a long matmul chain), and wait() then gives the exact values. The chain runs once
+    first so that cuBLAS, the CUDA caching allocator and the pinned-memory cache are warm (a
+    fresh cudaMalloc/cudaHostAlloc may wait for the device; in a training loop they are cached)."""
     dev = torch.device("cuda")
-    # Warm the pinned-memory cache: the very first pinned allocation (cudaHostAlloc) may wait for
-    # the device; in the loop every later step reuses a cached block.
-    PendingScalars(torch.zeros((), device=dev)).wait()
-    x = torch.randn(4096, 4096, device=dev)
-    clock = StepClock(dev)
-    for _ in range(50):
-        x = torch.tanh(x @ x) * 0.5
-    total = x.double().sum()
-    clock.end()
-    pending = PendingScalars(total, x.abs().max())
+    x0 = torch.randn(4096, 4096, device=dev)
+
+    def step():
+        clock, x = StepClock(dev), x0
+        for _ in range(50):
+            x = torch.tanh(x @ x) * 0.5
+        total = x.sum()
+        clock.end()
+        return clock, x, total, PendingScalars(total, x.abs().max())
+
+    step()[3].wait()
+    torch.cuda.synchronize()
+    clock, x, total, pending = step()
     assert not pending.event.query()  # host is ahead: nothing waited for the device
     loss, peak = pending.wait()
     assert loss == float(total) and peak == float(x.abs().max())
