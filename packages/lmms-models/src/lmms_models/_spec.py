@@ -159,6 +159,10 @@ class ModelSpec:
         ``SequenceParallel`` hook on ``sp_slice_module`` (so the decoder sees this rank's slice of
         the row) and the Ulysses attention wrapper; the loss is taken on the matching slice of the
         labels and its sum and count are reduced over the group (gradients pass through unchanged).
+
+        A family may add a per-token loss term (e.g. an MoE router's auxiliary loss) through
+        :meth:`extra_loss_inputs` and :meth:`extra_loss`: the term is multiplied by the (local)
+        loss-token count and added to ``loss_sum`` before the SP reduction.
         """
         from lmms_kernels import fused_linear_cross_entropy
 
@@ -179,6 +183,7 @@ class ModelSpec:
             "use_cache": False,
         }
         inputs.update(self.media_inputs(batch, dev))
+        inputs.update(self.extra_loss_inputs(model))
         flash_kwargs = {
             "cu_seq_lens_q": cu,
             "cu_seq_lens_k": cu,
@@ -190,13 +195,31 @@ class ModelSpec:
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # [T(/sp), H]
         if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
             hidden = hidden.to(torch.get_autocast_dtype("cuda"))  # upstream norms return fp32
+        extra = self.extra_loss(model, out, batch, sp_group=sp_group)  # per-token term or None
         if sp_group is None:
-            return fused_linear_cross_entropy(hidden, head.weight, shift, bias=head.bias)
+            loss_sum, n = fused_linear_cross_entropy(hidden, head.weight, shift, bias=head.bias)
+            return (loss_sum, n) if extra is None else (loss_sum + extra * n, n)
         from lmms_parallel import sp_reduce_loss, sp_shard_labels
 
         local = sp_shard_labels(shift, sp_group)  # [T_pad/sp], this rank's slice
         loss_sum, n = fused_linear_cross_entropy(hidden, head.weight, local, bias=head.bias)
+        if extra is not None:
+            loss_sum = loss_sum + extra * n
         return sp_reduce_loss(loss_sum, n, sp_group)
+
+    def extra_loss_inputs(self, model: nn.Module) -> dict[str, Any]:
+        """Extra keyword arguments for the base model call of :meth:`packed_forward` (none)."""
+        return {}
+
+    def extra_loss(
+        self, model: nn.Module, out: Any, batch: dict[str, Any], *, sp_group: Any = None
+    ) -> torch.Tensor | None:
+        """A per-token loss term added by :meth:`packed_forward` (fp32 scalar, or None: none).
+
+        ``out`` is the base model's output on the row (this rank's slice under SP). The term is
+        weighted by the loss-token count: ``loss_sum + term · n``.
+        """
+        return None
 
     def pack_position_ids(
         self, batch: dict[str, Any], n_tokens: int, device: torch.device

@@ -1,12 +1,29 @@
 """Qwen3-MoE decoder (``Qwen3MoeForCausalLM``): Qwen3 attention, top-k routed SwiGLU experts.
 
-The packed loss is the language-model loss only; the router's auxiliary loss (used upstream when
-``output_router_logits=True``) is not added. Expert parallelism comes later (lmms-parallel plans).
+Router auxiliary (load-balancing) loss: with ``config.output_router_logits=True`` the packed
+forward asks the base model for its router logits (``output_router_logits=True``, as upstream's
+``Qwen3MoeForCausalLM.forward`` does) and adds upstream's own ``load_balancing_loss_func`` on the
+row's real tokens (the tail padding segment is masked out) as
+
+    loss_sum + router_aux_loss_coef · aux · n_loss_tokens
+
+so that, once the trainer divides by the token count, one micro-batch gives exactly upstream's
+``loss + coef · aux`` and several give the token-weighted mean of their aux terms (each pack's
+aux is taken over that pack's tokens, like upstream's over its batch). With Ulysses SP each rank
+takes aux over its own slice of the row (its router logits), weighted by its local loss-token
+count; after ``sp_reduce_loss`` that is the token-weighted mean of the per-slice aux terms (the
+same rule as for micro-batches, not the aux of the whole row). With ``output_router_logits=False``
+(the default) the loss is the language-model loss only.
+
+Expert parallelism comes later (lmms-parallel plans).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+from torch import nn
 
 from ... import _flops
 from ..._registry import register_model
@@ -34,6 +51,58 @@ class Qwen3MoeSpec(ModelSpec):
             output_router_logits=False,
         )
         return tiny_text(**{**moe, **overrides})
+
+    @staticmethod
+    def _router_aux_enabled(model: nn.Module) -> bool:
+        return bool(getattr(model.config, "output_router_logits", False))
+
+    def extra_loss_inputs(self, model: nn.Module) -> dict[str, Any]:
+        """``output_router_logits=True`` for the base model when the config enables the aux loss."""
+        return {"output_router_logits": True} if self._router_aux_enabled(model) else {}
+
+    def extra_loss(
+        self, model: nn.Module, out: Any, batch: dict[str, Any], *, sp_group: Any = None
+    ) -> torch.Tensor | None:
+        """``router_aux_loss_coef · aux`` (fp32 scalar) from the row's router logits, or None.
+
+        ``aux`` is upstream's ``load_balancing_loss_func`` over the router logits of every MoE
+        layer, masked to the pack's real tokens (``cu_seqlens[num_samples]``; the tail padding
+        segment and, under SP, the SP padding are left out). Under SP the logits and the mask
+        are this rank's slice. ``packed_forward`` multiplies the term by the loss-token count.
+        """
+        if not self._router_aux_enabled(model):
+            return None
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+        router_logits = getattr(out, "router_logits", None)  # tuple of [T(/sp), E] per MoE layer
+        if not router_logits:
+            return None  # no MoE layer (mlp_only_layers / decoder_sparse_step)
+        cfg = self.text_config(model.config)
+        dev = router_logits[0].device
+        n_tokens = batch["input_ids"].numel()
+        cu = batch["cu_seqlens"]
+        n_real = int(batch.get("num_samples", cu.numel() - 1))
+        real_end = cu[n_real]  # first padding position (T when there is none)
+        if real_end.device.type == "cpu":
+            real_end = int(real_end)  # no device sync either way
+        # Always a mask, even without padding: upstream's unmasked path in transformers 5.17
+        # counts with bincount (a host sync on GPU); the masked one uses scatter_add.
+        real = (torch.arange(n_tokens, device=dev) < real_end).long()  # [T]
+        if sp_group is not None:
+            from lmms_parallel import sp_shard_labels
+
+            real = sp_shard_labels(real, sp_group)  # [T_pad/sp]; the SP padding reads -100
+        mask = (real > 0).float().reshape(1, -1)  # [1, T(/sp)]
+        if mask.shape[1] != router_logits[0].shape[0]:
+            raise ValueError(
+                f"router logits cover {router_logits[0].shape[0]} tokens, the row's mask "
+                f"{mask.shape[1]}: is the SequenceParallel hook installed iff sp_group is given?"
+            )
+        aux = load_balancing_loss_func(
+            tuple(router_logits), cfg.num_experts, cfg.num_experts_per_tok, mask
+        )
+        coef = getattr(model, "router_aux_loss_coef", cfg.router_aux_loss_coef)
+        return coef * aux.float()
 
     def lm_matmul_params(self, config: Any) -> int:
         cfg = self.text_config(config)
