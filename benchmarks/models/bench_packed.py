@@ -7,11 +7,12 @@ Synthetic image+text samples: 224-672 px images (0-2 per sample, ~20% text-only)
 * ``lmms`` variants: samples packed into rows of ``T`` tokens; ``spec.packed_forward`` (lmms
   varlen attention for the LM and the vision tower, fused linear CE), Liger RMSNorm/SwiGLU
   through ``lmms_kernels.apply_liger`` when available. Each variant (``--variants``) is
-  ``AC[/fsdp][/compile]``:
+  ``AC[/fsdp][/compile][/noalign]``:
 
   - ``AC``: activation checkpointing of the decoder and vision blocks: ``none``, ``full``,
-    ``sel`` (op-level selective: matmul outputs saved, element-wise ops and attention
-    recomputed) or a fraction of blocks fully checkpointed (``0.5``: every other block);
+    ``sel`` (lmms_parallel's op-level selective mode: matmul and SDPA outputs saved,
+    element-wise ops recomputed) or a fraction of blocks fully checkpointed (``0.5``: every
+    other block), all through ``lmms_parallel.apply_activation_checkpointing`` as the trainer;
     ``LM:VIT`` sets the towers apart (``0.5:none``: half the decoder blocks, no ViT block).
   - ``fsdp``: bf16 compute without autocast: FSDP2 ``fully_shard`` on a 1-rank mesh with
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 master weights cast to
@@ -21,6 +22,8 @@ Synthetic image+text samples: 224-672 px images (0-2 per sample, ~20% text-only)
     trainer's ``trainer_args.compile``: ``torch.compile(dynamic=True)`` of each block's forward
     after its checkpoint wrapper (the checkpoint sits inside the graph) and before FSDP;
     attention is a custom op (no graph break), Liger's ops give way to Inductor's fusion.
+  - ``noalign``: Liger's SwiGLU without padding the ViT MLP's 3420 width to 3424
+    (``apply_liger(align_mlp=False)``), the aligned-MLP lever's "before".
 * ``hf-sdpa`` / ``hf-sdpa-liger``: plain transformers, ``model(..., labels=...)`` with SDPA and
   gradient checkpointing, the same samples in padded micro-batches of at most
   ``--hf-micro-tokens`` padded tokens (gradient accumulation, one optimizer step per pack); the
@@ -43,7 +46,6 @@ import argparse
 import functools
 import gc
 import json
-import math
 import os
 import random
 import socket
@@ -53,7 +55,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from lmms_models import get_model_spec
 
@@ -250,45 +251,18 @@ def parse_variant(text: str) -> dict[str, Any]:
     }
 
 
-def select_blocks(blocks, frac: float):
-    """``frac`` of ``blocks``, spread evenly (0.5: every other block)."""
-    return [b for i, b in enumerate(blocks) if math.floor((i + 1) * frac) > math.floor(i * frac)]
-
-
-@functools.cache
-def _sel_context():
-    """Op-level selective checkpointing: keep matmul outputs, recompute the rest."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    save = {aten.mm.default, aten.addmm.default, aten.bmm.default}
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return functools.partial(create_selective_checkpoint_contexts, policy)
-
-
 def wrap_blocks(blocks, *, ac: str, compile_blocks: bool, backend: str = "inductor") -> None:
-    """Per block: checkpoint its forward (the chosen blocks), then ``torch.compile`` it with the
-    trainer's helper (``lmms_kernels.compile_blocks``): AC, compile, then FSDP (torchtitan's
-    order; ``shard_bf16`` runs after this)."""
-    if ac == "none":
-        chosen: set[int] = set()
-    elif ac in ("full", "sel"):
-        chosen = {id(b) for b in blocks}
+    """What the trainer does to a tower's blocks: checkpoint the chosen ones
+    (``lmms_parallel.apply_activation_checkpointing``, fraction spread evenly), then
+    ``torch.compile`` them (``lmms_kernels.compile_blocks``): AC, compile, then FSDP
+    (torchtitan's order; ``shard_bf16`` runs after this)."""
+    from lmms_parallel import apply_activation_checkpointing
+
+    if ac in ("none", "full", "sel"):
+        mode, fraction = {"sel": "selective"}.get(ac, ac), 1.0
     else:
-        chosen = {id(b) for b in select_blocks(blocks, float(ac))}
-    for block in blocks:
-        if id(block) in chosen:
-            extra = {"context_fn": _sel_context()} if ac == "sel" else {}
-
-            def fn(*args, _inner=block.forward, _extra=extra, **kwargs):
-                if not torch.is_grad_enabled():
-                    return _inner(*args, **kwargs)
-                return checkpoint(_inner, *args, use_reentrant=False, **_extra, **kwargs)
-
-            block.forward = fn
+        mode, fraction = "full", float(ac)
+    apply_activation_checkpointing(blocks, mode, fraction=fraction)
     if compile_blocks:
         import lmms_kernels
 
@@ -302,27 +276,24 @@ def _free_port() -> int:
 
 
 def shard_bf16(spec, model, device) -> None:
-    """FSDP2 on a 1-rank mesh for bf16 compute from fp32 master weights (no autocast).
-
-    Units: each vision block, each decoder block, then the root (embeddings tied to the LM
-    head, patch embed, merger, final norm). The root's forward is the packed loss, so FSDP's
-    root hooks (unshard, post-backward gradient reduction) run around ``packed_forward``.
+    """FSDP2 on a 1-rank mesh for bf16 compute from fp32 master weights (no autocast), through
+    ``lmms_parallel.apply_fsdp`` with the trainer's units (vision blocks, decoder blocks,
+    embeddings, root). The root's forward is the packed loss, so FSDP's root hooks (unshard,
+    post-backward gradient reduction) run around ``packed_forward``.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lmms_parallel import apply_fsdp
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=0, world_size=1)
-    mesh = init_device_mesh(device.type, (1,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in spec.vision_blocks(model) + spec.decoder_blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+    blocks = spec.vision_blocks(model) + spec.decoder_blocks(model) + spec.embeddings(model)
     model.forward = functools.partial(spec.packed_forward, model)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    apply_fsdp(model, init_device_mesh(device.type, (1,)), blocks=blocks)
 
 
 def _compile_counts() -> dict[str, int]:

@@ -86,16 +86,6 @@ def test_cpu_offload_without_fsdp_is_an_error(tiny):
         build_model(_cfg(fsdp_cpu_offload=True), DistEnv(), spec, None)
 
 
-def test_ac_block_selection():
-    from lmms_train._model_setup import select_blocks
-
-    blocks = list(range(8))
-    assert select_blocks(blocks, 0.5) == [1, 3, 5, 7]  # every other block
-    assert select_blocks(blocks, 0.25) == [3, 7]
-    assert select_blocks(blocks, 1.0) == blocks and select_blocks(blocks, 0.0) == []
-    assert len(select_blocks(list(range(36)), 0.5)) == 18
-
-
 @pytest.mark.parametrize(
     ("keys", "decoder", "vision"),
     [

@@ -63,6 +63,22 @@ def test_activation_checkpointing_same_gradients_and_reversible(mode):
         lp.apply_activation_checkpointing([], "some")
 
 
+def test_ac_fraction_selects_blocks_spread_evenly():
+    def wrapped(n, fraction):
+        blocks = [torch.nn.Identity() for _ in range(n)]
+        handle = lp.apply_activation_checkpointing(blocks, "full", fraction=fraction)
+        assert all(("forward" in b.__dict__) == (b in handle.blocks) for b in blocks)
+        return [blocks.index(b) for b in handle.blocks]
+
+    blocks = list(range(8))
+    assert wrapped(8, 0.5) == [1, 3, 5, 7]  # every other block
+    assert wrapped(8, 0.25) == [3, 7]
+    assert wrapped(8, 1.0) == blocks and wrapped(8, 0.0) == []
+    assert len(wrapped(36, 0.5)) == 18
+    with pytest.raises(ValueError, match="fraction must be in"):
+        lp.apply_activation_checkpointing([], "full", fraction=1.5)
+
+
 def test_meta_init_materialize_restores_and_recomputes_buffers():
     ref = T.build("vl")
     with lp.meta_init():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from lmms_train._dist import DistEnv
 from lmms_train._errors import ConfigError, UserError, suggest
 from lmms_train.config import TrainConfig
 
-__all__ = ["BuiltModel", "ac_plan", "build_model", "deep_merge", "resolve_spec", "select_blocks"]
+__all__ = ["BuiltModel", "ac_plan", "build_model", "deep_merge", "resolve_spec"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -221,20 +220,6 @@ def build_model(
     return BuiltModel(spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles)
 
 
-def select_blocks(blocks: list[nn.Module], fraction: float) -> list[nn.Module]:
-    """`fraction` of `blocks`, spread evenly: 0.5 takes every other block (1, 3, 5, ...),
-    0.25 every fourth, 1.0 all, 0.0 none.
-
-    Why spread rather than the first k: the memory saved is the same (each checkpointed block
-    frees its saved activations wherever it sits), but the benchmark that measured the
-    trade-off (benchmarks/models/bench_packed.py `select_blocks`) spreads them, so its numbers
-    apply as is, and the recompute is spread evenly over backward instead of bunched at its end.
-    """
-    return [
-        b for i, b in enumerate(blocks) if math.floor((i + 1) * fraction) > math.floor(i * fraction)
-    ]
-
-
 def ac_plan(t: Any) -> dict[str, tuple[str, float]]:
     """`{"decoder": (mode, fraction), "vision": (mode, fraction)}` from `trainer_args`."""
     lm = (t.activation_checkpointing, t.activation_checkpointing_fraction)
@@ -250,9 +235,7 @@ def _apply_ac(model: nn.Module, spec: Any, t: Any) -> list[Any]:
     handles = []
     towers = {"decoder": spec.decoder_blocks(model), "vision": spec.vision_blocks(model)}
     for tower, (mode, fraction) in ac_plan(t).items():
-        chosen = select_blocks(list(towers[tower]), fraction)
-        if mode != "none" and chosen:
-            handles.append(apply_activation_checkpointing(chosen, mode=mode))
+        handles.append(apply_activation_checkpointing(towers[tower], mode, fraction=fraction))
     return handles
 
 
