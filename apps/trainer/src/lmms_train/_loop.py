@@ -126,11 +126,12 @@ class _Queued:
     phases: list[tuple[str, Any]]
     global_count: float
     data_wait: float
+    evaluate: bool  # validation after this step (its metrics are then read at once)
 
 
 def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
     """Wait for a queued step's scalars (normally long done), then log its metrics."""
-    env, t = run.env, run.cfg.trainer_args
+    env = run.env
     loss_sum, norm = q.values.wait()
     dt = q.clock.seconds()
     local_bad = int(run.data.bad_records()) if hasattr(run.data, "bad_records") else 0
@@ -150,11 +151,7 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
         "bad_records": int(bad / env.sp),
         **phases.read(q.phases),
     }
-    if (
-        t.eval_steps
-        and run.eval_data is not None
-        and (q.step % t.eval_steps == 0 or q.step == t.max_steps)
-    ):
+    if q.evaluate:
         metrics["eval_loss"] = evaluate(run)
     if env.is_main:
         run.logger.log(q.step, metrics)
@@ -230,13 +227,13 @@ def train_loop(run: Run) -> dict[str, Any]:
             }
             if queued is not None:  # the previous step: its work finished before this one's
                 last = _finish(run, queued, phases)
-            queued = _Queued(
-                step=step, clock=clock, values=values, host=host, phases=phases.take(),
-                global_count=global_count, data_wait=reduced["data_wait"],
-            )  # fmt: skip
-            stop = reduced["stop"] > 0
             evaluating = bool(t.eval_steps and run.eval_data is not None)
             evaluating = evaluating and (step % t.eval_steps == 0 or step == t.max_steps)
+            queued = _Queued(
+                step=step, clock=clock, values=values, host=host, phases=phases.take(),
+                global_count=global_count, data_wait=reduced["data_wait"], evaluate=evaluating,
+            )  # fmt: skip
+            stop = reduced["stop"] > 0
             periodic = t.save_steps and step % t.save_steps == 0
             final = step == t.max_steps and t.save_final
             if periodic or final or stop or evaluating or step == t.max_steps:
