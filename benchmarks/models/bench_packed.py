@@ -7,7 +7,7 @@ Synthetic image+text samples: 224-672 px images (0-2 per sample, ~20% text-only)
 * ``lmms`` variants: samples packed into rows of ``T`` tokens; ``spec.packed_forward`` (lmms
   varlen attention for the LM and the vision tower, fused linear CE), Liger RMSNorm/SwiGLU
   through ``lmms_kernels.apply_liger`` when available. Each variant (``--variants``) is
-  ``AC[/fsdp][/compile][/noalign]``:
+  ``AC[/fsdp][/keep][/compile][/noalign]``:
 
   - ``AC``: activation checkpointing of the decoder and vision blocks: ``none``, ``full``,
     ``sel`` (lmms_parallel's op-level selective mode: matmul and SDPA outputs saved,
@@ -18,6 +18,10 @@ Synthetic image+text samples: 224-672 px images (0-2 per sample, ~20% text-only)
     ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (fp32 master weights cast to
     bf16 once per block and step; bf16 residual stream and saved activations). Without it:
     fp32 weights under bf16 autocast (per-op casts, fp32 residual stream).
+  - ``keep`` (with ``fsdp``): ``reshard_after_forward=False`` (the trainer's
+    ``trainer_args.reshard_after_forward``): each block's bf16 weights stay gathered from its
+    forward to its backward. On one rank resharding frees nothing worth having (the bf16 copy of
+    the model, 7 GiB) and costs a second cast-and-copy of every weight in backward.
   - ``compile``: ``lmms_kernels.compile_blocks`` on every decoder and vision block, the
     trainer's ``trainer_args.compile``: ``torch.compile(dynamic=True)`` of each block's forward
     after its checkpoint wrapper (the checkpoint sits inside the graph) and before FSDP;
@@ -223,15 +227,18 @@ def padded_batch(model, pack, device):
 
 # ----------------------------------------------------------------------------- variants
 def parse_variant(text: str) -> dict[str, Any]:
-    """``AC[/fsdp][/compile][/noalign]`` -> {"ac_lm", "ac_vit", "fsdp", "compile", "align"};
+    """``AC[/fsdp][/keep][/compile][/noalign]`` -> {"ac_lm", "ac_vit", "fsdp", "keep", "compile",
+    "align"};
     ``AC`` is one mode for both towers or ``LM:VIT`` (e.g. ``0.5:none``); ``noalign`` runs the
     Liger SwiGLU without padding the ViT MLP's 3420 width to 3424 (the lever's "before")."""
     ac, *flags = text.split("/")
-    unknown = set(flags) - {"fsdp", "compile", "noalign"}
+    unknown = set(flags) - {"fsdp", "keep", "compile", "noalign"}
     if unknown:
         raise ValueError(
-            f"variant {text!r}: unknown flags {sorted(unknown)} (fsdp, compile, noalign)"
+            f"variant {text!r}: unknown flags {sorted(unknown)} (fsdp, keep, compile, noalign)"
         )
+    if "keep" in flags and "fsdp" not in flags:
+        raise ValueError(f"variant {text!r}: keep (no reshard after forward) needs fsdp")
     ac_lm, _, ac_vit = ac.partition(":")
     ac_vit = ac_vit or ac_lm
     for mode in (ac_lm, ac_vit):
@@ -246,6 +253,7 @@ def parse_variant(text: str) -> dict[str, Any]:
         "ac_lm": ac_lm,
         "ac_vit": ac_vit,
         "fsdp": "fsdp" in flags,
+        "keep": "keep" in flags,
         "compile": "compile" in flags,
         "align": "noalign" not in flags,
     }
@@ -275,7 +283,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def shard_bf16(spec, model, device) -> None:
+def shard_bf16(spec, model, device, *, keep: bool = False) -> None:
     """FSDP2 on a 1-rank mesh for bf16 compute from fp32 master weights (no autocast), through
     ``lmms_parallel.apply_fsdp`` with the trainer's units (vision blocks, decoder blocks,
     embeddings, root). The root's forward is the packed loss, so FSDP's root hooks (unshard,
@@ -293,7 +301,8 @@ def shard_bf16(spec, model, device) -> None:
         dist.init_process_group(backend, rank=0, world_size=1)
     blocks = spec.vision_blocks(model) + spec.decoder_blocks(model) + spec.embeddings(model)
     model.forward = functools.partial(spec.packed_forward, model)
-    apply_fsdp(model, init_device_mesh(device.type, (1,)), blocks=blocks)
+    mesh = init_device_mesh(device.type, (1,))
+    apply_fsdp(model, mesh, blocks=blocks, reshard_after_forward=not keep)
 
 
 def _compile_counts() -> dict[str, int]:
@@ -433,7 +442,7 @@ def run_lmms(spec, config, variant: str, n_tokens: int, args, device) -> dict[st
     wrap_blocks(spec.decoder_blocks(model), ac=v["ac_lm"], compile_blocks=v["compile"], backend=cb)
     wrap_blocks(spec.vision_blocks(model), ac=v["ac_vit"], compile_blocks=v["compile"], backend=cb)
     if v["fsdp"]:
-        shard_bf16(spec, model, device)
+        shard_bf16(spec, model, device, keep=v["keep"])
         autocast = torch.autocast(device.type, enabled=False)
     else:
         autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
