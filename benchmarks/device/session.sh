@@ -20,6 +20,12 @@ for s in $STAGES; do
     quicktests) stage gpu_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/lmms-optim/tests/test_triton_gpu.py packages/lmms-kernels/tests/test_aligned_swiglu.py \
       packages/lmms-kernels/tests/test_liger.py apps/trainer/tests/test_step.py ;;
+    compiletest) stage compile_tests 80 python3 -m pytest -q -p no:cacheprovider -m gpu -x \
+      packages/lmms-kernels/tests/test_compile_gpu.py ;;
+    levers) stage packed 330 python3 benchmarks/models/bench_packed.py --tokens 16384 32768 --steps 8 \
+      --warmup 2 --variants 0.5:none/fsdp 0.5:none/fsdp/keep full/fsdp/keep 0.5:none/fsdp/compile \
+      --variant-tokens 0.5:none/fsdp@16384 0.5:none/fsdp/keep@16384 full/fsdp/keep@32768 \
+      0.5:none/fsdp/compile@16384 --baselines --max-variant-s 90 ;;
     issue5) stage packed 260 python3 benchmarks/models/bench_packed.py --tokens 16384 32768 --steps 4 \
       --warmup 2 --variants 0.5:none/fsdp 0.5:none/fsdp/noalign full/fsdp \
       --variant-tokens 0.5:none/fsdp@16384 0.5:none/fsdp/noalign@16384 full/fsdp@32768 \
