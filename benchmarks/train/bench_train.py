@@ -188,6 +188,8 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "activation_checkpointing": args.ac,
             "activation_checkpointing_fraction": args.ac_fraction,
             "vision_activation_checkpointing": args.vision_ac,
+            "vision_activation_checkpointing_fraction": args.vision_ac_fraction,
+            "reshard_after_forward": not args.keep,
             "save_final": False,
             "report_to": [],
             "profile_step_breakdown": True,
@@ -387,6 +389,17 @@ def main() -> None:
         default="same",
         choices=["same", "none", "full", "selective"],
         help="trainer_args.vision_activation_checkpointing (same: --ac and --ac-fraction)",
+    )
+    p.add_argument(
+        "--vision-ac-fraction",
+        type=float,
+        default=1.0,
+        help="trainer_args.vision_activation_checkpointing_fraction (with --vision-ac full)",
+    )
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="trainer_args.reshard_after_forward: false (gathered weights kept until backward)",
     )
     p.add_argument("--compile", action="store_true", help="trainer_args.compile: blocks compiled")
     p.add_argument("--records", type=int, default=3000)

@@ -96,6 +96,8 @@ def test_cpu_offload_without_fsdp_is_an_error(tiny):
           "vision_activation_checkpointing": "none"}, "half", "none"),
         ({"activation_checkpointing": "none", "vision_activation_checkpointing": "selective"},
          "none", "all"),
+        ({"activation_checkpointing": "full", "vision_activation_checkpointing": "full",
+          "vision_activation_checkpointing_fraction": 0.5}, "all", "half"),
     ],
 )  # fmt: skip
 def test_ac_per_tower(keys, decoder, vision):
@@ -122,3 +124,5 @@ def test_ac_values_are_checked():
         _cfg(activation_checkpointing_fraction=1.5)
     with pytest.raises(ConfigError, match="vision_activation_checkpointing"):
         _cfg(vision_activation_checkpointing="half")
+    with pytest.raises(ConfigError, match="vision_activation_checkpointing_fraction must be in"):
+        _cfg(vision_activation_checkpointing="full", vision_activation_checkpointing_fraction=-0.1)

@@ -224,7 +224,7 @@ def ac_plan(t: Any) -> dict[str, tuple[str, float]]:
     """`{"decoder": (mode, fraction), "vision": (mode, fraction)}` from `trainer_args`."""
     lm = (t.activation_checkpointing, t.activation_checkpointing_fraction)
     vis_mode = t.vision_activation_checkpointing
-    vision = lm if vis_mode == "same" else (vis_mode, 1.0)
+    vision = lm if vis_mode == "same" else (vis_mode, t.vision_activation_checkpointing_fraction)
     return {"decoder": lm, "vision": vision}
 
 

@@ -220,6 +220,11 @@ def validate(cfg: TrainConfig) -> None:
         "trainer_args.activation_checkpointing_fraction must be in [0, 1], got "
         f"{t.activation_checkpointing_fraction!r}",
     )
+    _check(
+        0.0 <= t.vision_activation_checkpointing_fraction <= 1.0,
+        "trainer_args.vision_activation_checkpointing_fraction must be in [0, 1], got "
+        f"{t.vision_activation_checkpointing_fraction!r}",
+    )
 
 
 def config_to_dict(cfg: Any) -> Any:

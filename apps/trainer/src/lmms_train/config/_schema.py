@@ -237,6 +237,13 @@ class TrainerArgs:
         "Vision blocks: `same` (decoder mode and fraction) or their own mode on every vision "
         "block (`none` measured fastest at 16k on an H200).",
     )
+    vision_activation_checkpointing_fraction: float = _f(
+        1.0,
+        "Fraction of vision blocks checkpointed, in [0, 1], spread evenly, when "
+        "`vision_activation_checkpointing` names its own mode (with `same` the decoder's "
+        "fraction applies). At 32k tokens on an H200, `full` with 0.5 here and the decoder fully "
+        "checkpointed was measured 8.9% faster than checkpointing every block.",
+    )
     compile: bool = _f(
         False,
         "`torch.compile` each decoder and vision block (Inductor, dynamic shapes: new pack "
