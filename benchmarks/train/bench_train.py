@@ -15,8 +15,13 @@ weights with bf16 autocast, gradient checkpointing, fused AdamW; with and withou
     python benchmarks/train/bench_train.py                      # every case (GPU, ~8 min)
     python benchmarks/train/bench_train.py --cases vl3b_16k hf_sdpa_liger
     python benchmarks/train/bench_train.py --tiny               # plumbing check on CPU
-    python benchmarks/train/bench_train.py --cases vl3b_16k --ac-fraction 0.5 --vision-ac none
-                                       # the layout measured best by bench_packed at 16k
+    python benchmarks/train/bench_train.py --cases vl3b_16k --ac-fraction 1.0
+                                       # override the case's checkpointing layout
+
+Each case has an activation-checkpointing layout (`CASES[...]["layout"]`, trainer_args keys): the
+fastest bench_packed measured to fit one H200 for the VL cases, and no checkpointing for the
+text cases; `--ac/--ac-fraction/--vision-ac/--vision-ac-fraction` override it for every case.
+The row of each case names the layout it ran with.
 
 Prints one JSON line per case and a table last; writes bench_train.json to $OUT if set.
 """
@@ -37,16 +42,48 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PEAK = 989e12  # H100/H200 dense bf16 datasheet, as peers report MFU
 
-# name -> (family, preset, packing_length, optimizer, data kind, text-model overrides)
+# Activation-checkpointing layouts per case: the fastest measured (or, where marked, predicted) to
+# fit one H200 (141 GB) with fp32 master weights and AdamW state. Keys are trainer_args names.
+# VL 16k and 32k: bench_packed (benchmarks/RESULTS.md, benchmarks/models/NOTES.md levers 3 and 9).
+VL_16K = dict(activation_checkpointing="full", activation_checkpointing_fraction=0.5,
+              vision_activation_checkpointing="none")  # fmt: skip
+VL_32K = dict(activation_checkpointing="full", activation_checkpointing_fraction=1.0,
+              vision_activation_checkpointing="full", vision_activation_checkpointing_fraction=0.5)  # fmt: skip
+# Text 16k: no checkpointing. Predicted, not yet measured: 3B peaked at 64.6 GiB with half the
+# blocks checkpointed, each un-checkpointed block adds ~1.45 GiB at 16k, so ~91 GiB for none.
+TEXT_16K = dict(activation_checkpointing="none")
+
+# name -> family, preset, packing_length, optimizer, data kind, AC layout
 CASES: dict[str, dict] = {
-    "vl3b_16k": dict(family="qwen2_5_vl", preset="3b", T=16384, optimizer="adamw", data="vl"),
-    "vl3b_32k": dict(family="qwen2_5_vl", preset="3b", T=32768, optimizer="adamw", data="vl"),
-    "vl3b_16k_muon": dict(family="qwen2_5_vl", preset="3b", T=16384, optimizer="muon", data="vl"),
-    "text3b_16k": dict(family="qwen2_5", preset="3b", T=16384, optimizer="adamw", data="text"),
-    "text1p5b_16k": dict(family="qwen2_5", preset="1.5b", T=16384, optimizer="adamw", data="text"),
+    "vl3b_16k": dict(family="qwen2_5_vl", preset="3b", T=16384, optimizer="adamw", data="vl", layout=VL_16K),
+    "vl3b_32k": dict(family="qwen2_5_vl", preset="3b", T=32768, optimizer="adamw", data="vl", layout=VL_32K),
+    "vl3b_16k_muon": dict(family="qwen2_5_vl", preset="3b", T=16384, optimizer="muon", data="vl", layout=VL_16K),
+    "vl3b_32k_muon": dict(family="qwen2_5_vl", preset="3b", T=32768, optimizer="muon", data="vl", layout=VL_32K),
+    "text3b_16k": dict(family="qwen2_5", preset="3b", T=16384, optimizer="adamw", data="text", layout=TEXT_16K),
+    "text1p5b_16k": dict(family="qwen2_5", preset="1.5b", T=16384, optimizer="adamw", data="text", layout=TEXT_16K),
     "hf_sdpa": dict(baseline=True, liger=False, T=16384),
     "hf_sdpa_liger": dict(baseline=True, liger=True, T=16384),
+}  # fmt: skip
+# CLI flag -> trainer_args key; a flag given on the command line overrides every case's layout
+AC_FLAGS = {
+    "ac": "activation_checkpointing",
+    "ac_fraction": "activation_checkpointing_fraction",
+    "vision_ac": "vision_activation_checkpointing",
+    "vision_ac_fraction": "vision_activation_checkpointing_fraction",
 }
+
+
+def ac_layout(case: dict, args) -> dict:
+    """The case's AC layout with the command line's explicit flags on top."""
+    layout = dict(case.get("layout", {}))
+    layout |= {
+        key: getattr(args, flag)
+        for flag, key in AC_FLAGS.items()
+        if getattr(args, flag) is not None
+    }
+    return layout
+
+
 WORDS = [
     "the",
     "a",
@@ -185,10 +222,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "use_rmpad": True,
             "use_liger_kernel": not args.tiny,
             "attn_backend": "auto",
-            "activation_checkpointing": args.ac,
-            "activation_checkpointing_fraction": args.ac_fraction,
-            "vision_activation_checkpointing": args.vision_ac,
-            "vision_activation_checkpointing_fraction": args.vision_ac_fraction,
+            **ac_layout(case, args),
             "reshard_after_forward": not args.keep,
             "save_final": False,
             "report_to": [],
@@ -242,6 +276,10 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         "step_s": round(dt / len(rows), 3),
         "fill": round(sum(r["packing_fill_ratio"] for r in rows) / len(rows), 3),
         "wall_s": round(wall, 1),
+        # every timed step, so that one slow step (a recompile) shows apart from a slow run
+        "step_s_each": [round(r["step_time"], 3) for r in rows],
+        "layout": " ".join(f"{k}={v}" for k, v in ac_layout(case, args).items()),
+        "compile": args.compile,
     }
     for part in ("forward", "backward", "optimizer"):
         key = f"time/{part}"
@@ -376,24 +414,25 @@ def main() -> None:
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     p.add_argument("--steps", type=int, default=20, help="measured steps per case")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--ac", default="full", choices=["none", "full", "selective"])
+    p.add_argument(
+        "--ac",
+        choices=["none", "full", "selective"],
+        help="trainer_args.activation_checkpointing for every case (default: each case's layout)",
+    )
     p.add_argument(
         "--ac-fraction",
         type=float,
-        default=1.0,
         help="trainer_args.activation_checkpointing_fraction: share of decoder blocks "
         "checkpointed, spread evenly (0.5 = every other block)",
     )
     p.add_argument(
         "--vision-ac",
-        default="same",
         choices=["same", "none", "full", "selective"],
         help="trainer_args.vision_activation_checkpointing (same: --ac and --ac-fraction)",
     )
     p.add_argument(
         "--vision-ac-fraction",
         type=float,
-        default=1.0,
         help="trainer_args.vision_activation_checkpointing_fraction (with --vision-ac full)",
     )
     p.add_argument(
@@ -431,6 +470,7 @@ def main() -> None:
         print(json.dumps(res), flush=True)
         results.append(res)
     if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "bench_train.json").write_text(json.dumps(results, indent=1))
     cols = ["case", "status", "T", "tok_s", "mfu", "mfu_lm", "peak_gib", "data_wait", "step_s"]
     cols += ["time/forward", "time/backward", "time/optimizer"]
