@@ -34,9 +34,18 @@ for s in $STAGES; do
       cp benchmarks/RESULTS.md "$OUT/RESULTS.muon.md" ;;
     packed) stage packed 190 python3 benchmarks/models/bench_packed.py --tokens 16384 --steps 5 \
       --warmup 2 --variants 0.5:none/fsdp 0.5:none/fsdp/compile --baselines --profile --max-variant-s 60 ;;
-    train) stage train 150 python3 benchmarks/train/bench_train.py --cases ${TRAIN_CASES:-vl3b_16k} \
-      --steps ${TRAIN_STEPS:-6} --warmup 3 --records 1200 --ac-fraction 0.5 --vision-ac none \
+    train) stage train ${TRAIN_CAP:-150} python3 benchmarks/train/bench_train.py \
+      --cases ${TRAIN_CASES:-vl3b_16k} --steps ${TRAIN_STEPS:-6} --warmup 3 --records 1200 \
       --case-timeout ${CASE_TIMEOUT:-150} ${TRAIN_FLAGS:-} ;;
+    # issue 8 in two calls (each case uses its own AC layout, blocks compiled):
+    #   STAGES=train8vl  then  STAGES="train8text calib"
+    train8vl) stage train 560 python3 benchmarks/train/bench_train.py --compile --steps 20 \
+      --warmup 4 --records 1500 --case-timeout 240 \
+      --cases vl3b_16k vl3b_16k_muon vl3b_32k vl3b_32k_muon ;;
+    train8text) stage train 260 python3 benchmarks/train/bench_train.py --compile --steps 20 \
+      --warmup 4 --records 1500 --case-timeout 120 --cases text3b_16k text1p5b_16k ;;
+    optimtests) stage optim_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-optim/tests/test_triton_gpu.py ;;
     calibvl) stage calib_vl 200 python3 .calib/qwen2_5_vl.py 16384 ;;
     calib) stage calib_vl 200 python3 .calib/qwen2_5_vl.py 16384
       stage calib_text 150 python3 .calib/text_decoder.py fa4 16384 ac ;;
