@@ -306,14 +306,12 @@ def shard_bf16(spec, model, device, *, keep: bool = False) -> None:
 
 
 def _compile_counts() -> dict[str, int]:
+    """Dynamo's process-wide counts: graphs compiled (a recompile adds one) and graph breaks."""
     from torch._dynamo.utils import counters
 
     return {
         "graphs": int(counters["stats"].get("unique_graphs", 0)),
         "graph_breaks": int(sum(counters["graph_break"].values())),
-        "recompiles": int(counters["recompiles"].get("total", 0))
-        if "recompiles" in counters
-        else 0,
     }
 
 
@@ -323,6 +321,7 @@ def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dic
     Past ``max_s`` seconds after the first step (e.g. a compile that recompiles every step) the
     run stops and reports the steps timed so far."""
     times: list[float] = []
+    graphs_before_timed = 0
     start = time.perf_counter()
     cuda = device.type == "cuda"
     if cuda:
@@ -333,6 +332,8 @@ def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dic
         for i, batch in enumerate(batches):
             if cuda:
                 torch.cuda.synchronize()
+            if i == warmup:
+                graphs_before_timed = _compile_counts()["graphs"]
             t0 = time.perf_counter()
             loss = step_fn(batch)
             if cuda:
@@ -369,6 +370,9 @@ def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dic
         "mfu_lm": round(lm / tt / PEAK_FLOPS, 4),
         "vit_flop_share": round(vit / (lm + vit), 3),
         "step_s": round(tt / n_timed, 3),
+        "step_s_max": round(max(times), 3),
+        # graphs dynamo compiled during the timed steps: recompiles there (0 for eager runs)
+        "timed_new_graphs": _compile_counts()["graphs"] - graphs_before_timed,
         "first_step_s": round(first, 1) if first is not None else None,
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else 0.0,
         "loss": round(float(loss), 4),

@@ -58,4 +58,9 @@ def test_compiled_blocks_train_like_eager(tmp_path, monkeypatch):
     assert len(eager) == len(compiled) == 2
     assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5)
     assert counters["stats"]["unique_graphs"] > 0  # the blocks really ran compiled
+    rows = [
+        json.loads(x) for x in (tmp_path / "compiled" / "metrics.jsonl").read_text().splitlines()
+    ]
+    graphs = [r["compile/graphs"] for r in rows if "loss" in r]
+    assert graphs[-1] == counters["stats"]["unique_graphs"] and graphs[0] > 0, graphs
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])

@@ -104,6 +104,28 @@ def test_compiled_attention_takes_symbolic_lengths_without_recompiling():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+def test_compile_blocks_does_not_unify_sizes_equal_at_first_trace():
+    """A pack where two unrelated sizes coincide (here the token count and the number of segment
+    boundaries) must not specialise the graph on their equality: the next pack would recompile."""
+    from torch._dynamo.utils import counters
+
+    class Block(torch.nn.Module):
+        def forward(self, x, cu):
+            return x * cu.float().mean() + cu.numel()
+
+    torch._dynamo.reset()
+    counters.clear()
+    block = Block()
+    handle = lk.compile_blocks([block], backend="eager")
+    try:
+        for tokens, bounds in ((5, 5), (7, 5), (9, 3), (3, 9)):
+            x, cu = torch.randn(tokens, 4), torch.arange(bounds, dtype=torch.int32)
+            torch.testing.assert_close(block(x, cu), Block.forward(block, x, cu))
+    finally:
+        handle.remove()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 # ---------------------------------------------------------------- compiled transformer blocks
 
 

@@ -10,7 +10,10 @@ What makes a block compile whole: ``varlen_attention`` is a custom op under comp
 break; ``_attention_ops.py``), and Liger-patched RMSNorm/SwiGLU run their upstream torch code
 inside compiled regions (Inductor fuses it, with the residual adds around it; ``_liger.py``).
 ``dynamic=True``: the token dimension and ``max_seqlen`` ints are symbolic, so a new pack length
-does not recompile; hidden sizes still specialise (they meet static parameter shapes).
+does not recompile; hidden sizes still specialise (they meet static parameter shapes). Dynamo's
+duck sizing is turned off (process-wide) with it: otherwise two sizes that happen to be equal
+in the first traced pack (e.g. the number of segments + 1 and a head dim) share one symbol, and
+the first pack where they differ recompiles the block in the middle of training.
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ def _raise_dynamo_limits(n_blocks: int) -> None:
             setattr(cfg, key, max(getattr(cfg, key), 4 * want))
 
 
+def _no_duck_sizing() -> None:
+    """Give every dynamic size its own symbol instead of unifying sizes equal at first trace."""
+    import torch.fx.experimental._config as fx_config
+
+    if hasattr(fx_config, "use_duck_shape"):
+        fx_config.use_duck_shape = False
+
+
 def compile_blocks(
     blocks: Sequence[nn.Module],
     *,
@@ -66,12 +77,15 @@ def compile_blocks(
 
     ``backend="aot_eager"`` traces and runs AOTAutograd without Inductor (tests, debugging).
     ``fullgraph=True`` makes any graph break an error instead of a silent split.
-    Raises dynamo's recompile limits so that all blocks fit (a process-wide setting).
+    Raises dynamo's recompile limits so that all blocks fit and, with ``dynamic=True``, turns
+    off duck sizing (process-wide settings; see the module doc).
     """
     handle = CompileHandle()
     if not blocks:
         return handle
     _raise_dynamo_limits(len(blocks))
+    if dynamic:
+        _no_duck_sizing()
     for block in blocks:
         previous = block.__dict__.get("forward")  # e.g. the activation-checkpoint wrapper
         block.forward = torch.compile(
