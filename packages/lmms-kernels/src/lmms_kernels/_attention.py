@@ -244,14 +244,22 @@ def _fa4_padded_dim(d: int, dv: int) -> int | None:
     return next((s for s in _FA4_HEAD_DIMS if s >= max(d, dv)), None)
 
 
-def _fa4(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    fn = _fa4_fn()
+def _fa4_pad(q, k, v):
+    """Zero-pad head dims to one FA4 computes correctly; returns q, k, v and the pads of q/k
+    and of v. Callers pass the unpadded softmax scale (FA4's default would use the padded dim)."""
     d, dv = q.shape[-1], v.shape[-1]
     padded = _fa4_padded_dim(d, dv)
-    if padded is not None and (d != padded or dv != padded):
-        scale = d**-0.5 if scale is None else scale
-        q, k = F.pad(q, (0, padded - d)), F.pad(k, (0, padded - d))
-        v = F.pad(v, (0, padded - dv))
+    if padded is None or (d == padded and dv == padded):
+        return q, k, v, 0, 0
+    pq, pv = padded - d, padded - dv
+    return F.pad(q, (0, pq)), F.pad(k, (0, pq)), F.pad(v, (0, pv)), pq, pv
+
+
+def _fa4(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    fn = _fa4_fn()
+    dv = v.shape[-1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v, _, _ = _fa4_pad(q, k, v)
     out = fn(
         q,
         k,

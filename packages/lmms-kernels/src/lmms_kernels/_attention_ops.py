@@ -142,22 +142,12 @@ def _recompute_bwd(name, dout, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
 # ---------------------------------------------------------------- FA4 (flash_attn.cute)
 
 
-def _fa4_pad(q, k, v):
-    """Zero-pad head dims to one FA4 computes correctly (see ``_attention._FA4_HEAD_DIMS``)."""
-    d, dv = q.shape[-1], v.shape[-1]
-    padded = _A._fa4_padded_dim(d, dv)
-    if padded is None or (d == padded and dv == padded):
-        return q, k, v, 0, 0
-    pq, pv = padded - d, padded - dv
-    return F.pad(q, (0, pq)), F.pad(k, (0, pq)), F.pad(v, (0, pv)), pq, pv
-
-
 def _fa4_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     from flash_attn.cute.interface import _flash_attn_fwd
 
     dv = v.shape[-1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v, _, _ = _fa4_pad(q, k, v)
+    q, k, v, _, _ = _A._fa4_pad(q, k, v)
     res = _flash_attn_fwd(
         q,
         k,
@@ -178,7 +168,7 @@ def _fa4_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
 
     d, dv = q.shape[-1], v.shape[-1]
     scale = d**-0.5 if scale is None else scale
-    q, k, v, _, pv = _fa4_pad(q, k, v)
+    q, k, v, _, pv = _A._fa4_pad(q, k, v)
     if pv:  # padded output columns are zero, as are their incoming gradients
         out, dout = F.pad(out, (0, pv)), F.pad(dout, (0, pv))
     dq, dk, dvv = _flash_attn_bwd(
