@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+import lmms_kernels
 from lmms_models import get_model_spec
 
 PEAK_FLOPS = 989e12
@@ -272,8 +273,6 @@ def wrap_blocks(blocks, *, ac: str, compile_blocks: bool, backend: str = "induct
         mode, fraction = "full", float(ac)
     apply_activation_checkpointing(blocks, mode, fraction=fraction)
     if compile_blocks:
-        import lmms_kernels
-
         lmms_kernels.compile_blocks(blocks, backend=backend)
 
 
@@ -305,16 +304,6 @@ def shard_bf16(spec, model, device, *, keep: bool = False) -> None:
     apply_fsdp(model, mesh, blocks=blocks, reshard_after_forward=not keep)
 
 
-def _compile_counts() -> dict[str, int]:
-    """Dynamo's process-wide counts: graphs compiled (a recompile adds one) and graph breaks."""
-    from torch._dynamo.utils import counters
-
-    return {
-        "graphs": int(counters["stats"].get("unique_graphs", 0)),
-        "graph_breaks": int(sum(counters["graph_break"].values())),
-    }
-
-
 # ----------------------------------------------------------------------------- runs
 def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dict[str, Any]:
     """Time ``step_fn`` over ``batches`` (``warmup`` first); errors are results, not crashes.
@@ -333,7 +322,7 @@ def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dic
             if cuda:
                 torch.cuda.synchronize()
             if i == warmup:
-                graphs_before_timed = _compile_counts()["graphs"]
+                graphs_before_timed = lmms_kernels.compile_counts()["graphs"]
             t0 = time.perf_counter()
             loss = step_fn(batch)
             if cuda:
@@ -372,7 +361,7 @@ def run(name, step_fn, batches, flops, warmup: int, device, max_s: float) -> dic
         "step_s": round(tt / n_timed, 3),
         "step_s_max": round(max(times), 3),
         # graphs dynamo compiled during the timed steps: recompiles there (0 for eager runs)
-        "timed_new_graphs": _compile_counts()["graphs"] - graphs_before_timed,
+        "timed_new_graphs": lmms_kernels.compile_counts()["graphs"] - graphs_before_timed,
         "first_step_s": round(first, 1) if first is not None else None,
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else 0.0,
         "loss": round(float(loss), 4),
@@ -434,8 +423,6 @@ def run_lmms(spec, config, variant: str, n_tokens: int, args, device) -> dict[st
     liger = "off"
     if not args.no_liger and device.type == "cuda":
         try:
-            import lmms_kernels
-
             lmms_kernels.apply_liger(model, "qwen2_5_vl", align_mlp=v["align"])
             liger = "rmsnorm+swiglu" + ("" if v["align"] else " (unaligned MLP)")
         except Exception as e:  # reported in the table, the run goes on without it
@@ -462,10 +449,10 @@ def run_lmms(spec, config, variant: str, n_tokens: int, args, device) -> dict[st
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    before = _compile_counts() if v["compile"] else None
+    before = lmms_kernels.compile_counts() if v["compile"] else None
     res = run(f"lmms {variant}", step, batches, flops, args.warmup, device, args.max_variant_s)
     if before is not None:
-        after = _compile_counts()
+        after = lmms_kernels.compile_counts()
         res.update({k: after[k] - before[k] for k in after})
     res.update(T=n_tokens, liger=liger, backend=args.backend)
     return res

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+import lmms_kernels
 from lmms_train._checkpoint import RunCheckpointer
 from lmms_train._dist import DistEnv
 from lmms_train._flops import mfu
 from lmms_train._metrics import MetricsLogger
-from lmms_train._model_setup import compiled_graphs
 from lmms_train._state import TrainState
 from lmms_train._step import (
     STAT_KEYS,
@@ -226,8 +226,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                 "perf/global_seq_len_max": seq_max,
                 "packing_fill_ratio": per_sp["tokens"] / max(per_sp["capacity"], 1.0),
             }
-            if t.compile:
-                host["compile/graphs"] = compiled_graphs()
+            if t.compile:  # a rise after the first steps is a recompile mid-run
+                host["compile/graphs"] = lmms_kernels.compile_counts()["graphs"]
             if queued is not None:  # the previous step: its work finished before this one's
                 last = _finish(run, queued, phases)
             evaluating = bool(t.eval_steps and run.eval_data is not None)

@@ -242,15 +242,6 @@ def _apply_ac(model: nn.Module, spec: Any, t: Any) -> list[Any]:
 COMPILE_BACKEND_ENV = "LMMS_TRAIN_COMPILE_BACKEND"
 
 
-def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process (host counter, no device sync). Logged per
-    step as `compile/graphs` with `compile: true`: a rise after the first steps is a
-    recompile in the middle of training, which costs that step seconds to minutes."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"].get("unique_graphs", 0))
-
-
 def _apply_compile(model: nn.Module, spec: Any) -> Any:
     """`torch.compile` every vision and decoder block (after AC, so each checkpoint sits inside
     its compiled block; before FSDP, whose hooks stay outside). Inductor unless the environment

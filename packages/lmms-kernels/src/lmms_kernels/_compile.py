@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["CompileHandle", "compile_blocks"]
+__all__ = ["CompileHandle", "compile_blocks", "compile_counts"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -56,6 +56,18 @@ def _raise_dynamo_limits(n_blocks: int) -> None:
     for key in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
         if hasattr(cfg, key):
             setattr(cfg, key, max(getattr(cfg, key), 4 * want))
+
+
+def compile_counts() -> dict[str, int]:
+    """Dynamo's process-wide counts (host counters, no device sync): ``graphs`` compiled so far
+    (a recompile adds one, so a rise after the first steps is a recompile mid-run) and
+    ``graph_breaks``."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs": int(counters["stats"].get("unique_graphs", 0)),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
 
 
 def _no_duck_sizing() -> None:
