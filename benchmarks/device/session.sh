@@ -20,6 +20,9 @@ for s in $STAGES; do
     quicktests) stage gpu_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/lmms-optim/tests/test_triton_gpu.py packages/lmms-kernels/tests/test_aligned_swiglu.py \
       packages/lmms-kernels/tests/test_liger.py apps/trainer/tests/test_step.py ;;
+    kerneltests) stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-kernels/tests apps/trainer/tests/test_step.py \
+      --ignore packages/lmms-kernels/tests/test_compile_gpu.py ;;
     compiletest) stage compile_tests 80 python3 -m pytest -q -p no:cacheprovider -m gpu -x \
       packages/lmms-kernels/tests/test_compile_gpu.py ;;
     levers) stage packed 330 python3 benchmarks/models/bench_packed.py --tokens 16384 32768 --steps 8 \
@@ -38,10 +41,17 @@ for s in $STAGES; do
       --cases ${TRAIN_CASES:-vl3b_16k} --steps ${TRAIN_STEPS:-6} --warmup 3 --records 1200 \
       --case-timeout ${CASE_TIMEOUT:-150} ${TRAIN_FLAGS:-} ;;
     # issue 8 in two calls (each case uses its own AC layout, blocks compiled):
-    #   STAGES=train8vl  then  STAGES="train8text calib"
-    train8vl) stage train 560 python3 benchmarks/train/bench_train.py --compile --steps 20 \
-      --warmup 4 --records 1500 --case-timeout 240 \
+    #   STAGES="calib train8text kerneltests baselines"  then  STAGES=train8vl
+    # train8vl first runs vl3b_16k with half the decoder blocks checkpointed (the layout before
+    # VL_16K went to a quarter) as the lever's "before" in the same call.
+    train8vl) stage train_before 150 python3 benchmarks/train/bench_train.py --compile --steps 20 \
+      --warmup 4 --records 1500 --case-timeout 145 --cases vl3b_16k --ac-fraction 0.5 --tag=-ac0.5
+      stage train 420 python3 benchmarks/train/bench_train.py --compile --steps 20 \
+      --warmup 4 --records 1500 --case-timeout 150 \
       --cases vl3b_16k vl3b_16k_muon vl3b_32k vl3b_32k_muon ;;
+    # plain transformers on the same VL records (10-11 s a step: few steps)
+    baselines) stage baselines 200 python3 benchmarks/train/bench_train.py --steps 4 --warmup 1 \
+      --records 1500 --case-timeout 95 --cases hf_sdpa hf_sdpa_liger ;;
     train8text) stage train 260 python3 benchmarks/train/bench_train.py --compile --steps 20 \
       --warmup 4 --records 1500 --case-timeout 120 --cases text3b_16k text1p5b_16k ;;
     optimtests) stage optim_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -126,3 +126,15 @@ def test_ac_values_are_checked():
         _cfg(vision_activation_checkpointing="half")
     with pytest.raises(ConfigError, match="vision_activation_checkpointing_fraction must be in"):
         _cfg(vision_activation_checkpointing="full", vision_activation_checkpointing_fraction=-0.1)
+
+
+def test_allocator_conf_defaults_to_expandable_segments_and_keeps_the_users():
+    from lmms_train._dist import default_allocator_conf
+
+    environ: dict[str, str] = {}
+    assert default_allocator_conf(environ)
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        mine = {var: "max_split_size_mb:128"}
+        assert not default_allocator_conf(mine)
+        assert mine == {var: "max_split_size_mb:128"}

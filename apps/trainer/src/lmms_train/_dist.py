@@ -26,7 +26,10 @@ import torch.distributed as dist
 
 from lmms_train._errors import ConfigError
 
-__all__ = ["DistEnv", "init_distributed"]
+__all__ = ["DistEnv", "default_allocator_conf", "init_distributed"]
+
+# Variables torch reads its CUDA caching-allocator settings from (the first is the newer name).
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,6 +107,22 @@ def _pick_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def default_allocator_conf(environ: dict[str, str] | None = None) -> bool:
+    """Turn on the CUDA allocator's expandable segments unless the user configured it.
+
+    Every packed step has different activation shapes, so with fixed-size segments the blocks one
+    pack frees rarely fit the next and reserved memory creeps above what is allocated; with
+    expandable segments a large pack can use what the last one freed. Read by torch when the
+    allocator starts (first CUDA allocation), so this runs before anything touches the device.
+    Returns whether it set the variable (False: one of `ALLOC_CONF_VARS` was already set).
+    """
+    environ = os.environ if environ is None else environ
+    if any(var in environ for var in ALLOC_CONF_VARS):
+        return False
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return True
+
+
 def init_distributed(*, device: str, sp: int, dp_replicate: int, fsdp: bool) -> DistEnv:
     """Read torchrun's environment, check the parallel degrees, join the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -116,6 +135,7 @@ def init_distributed(*, device: str, sp: int, dp_replicate: int, fsdp: bool) -> 
         )
     if world > 1 and not fsdp:
         raise ConfigError("trainer_args.fsdp: false is only supported on one process")
+    default_allocator_conf()
     dev = _pick_device(device, local_rank)
     env = DistEnv(
         rank=rank,
