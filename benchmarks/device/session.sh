@@ -42,12 +42,12 @@ for s in $STAGES; do
       --case-timeout ${CASE_TIMEOUT:-150} ${TRAIN_FLAGS:-} ;;
     # issue 8 in two calls (each case uses its own AC layout, blocks compiled):
     #   STAGES="calib train8text kerneltests baselines"  then  STAGES=train8vl
-    # train8vl first runs vl3b_16k with half the decoder blocks checkpointed (the layout before
-    # VL_16K went to a quarter) as the lever's "before" in the same call.
-    train8vl) stage train_before 150 python3 benchmarks/train/bench_train.py --compile --steps 20 \
-      --warmup 4 --records 1500 --case-timeout 145 --cases vl3b_16k --ac-fraction 0.5 --tag=-ac0.5
-      stage train 420 python3 benchmarks/train/bench_train.py --compile --steps 20 \
-      --warmup 4 --records 1500 --case-timeout 150 \
+    # The first VL case carries Inductor's compilation of both towers' blocks (88 s first step
+    # with a warm cache, more when cold) before its 24 steps: give each case 240 s. A 16k case
+    # took 124-146 s of wall time with a warm cache, so on a cold machine split the four cases
+    # over two calls.
+    train8vl) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 20 \
+      --warmup 4 --records 1500 --case-timeout 240 \
       --cases vl3b_16k vl3b_16k_muon vl3b_32k vl3b_32k_muon ;;
     # plain transformers on the same VL records (10-11 s a step: few steps)
     baselines) stage baselines 200 python3 benchmarks/train/bench_train.py --steps 4 --warmup 1 \

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -45,10 +46,10 @@ PEAK = 989e12  # H100/H200 dense bf16 datasheet, as peers report MFU
 # Activation-checkpointing layouts per case: the fastest measured (or, where marked, predicted) to
 # fit one H200 (141 GB) with fp32 master weights and AdamW state. Keys are trainer_args names.
 # VL 16k and 32k: bench_packed (benchmarks/RESULTS.md, benchmarks/models/NOTES.md levers 3 and 9).
-# VL 16k: a quarter of the decoder blocks checkpointed (predicted, 2026-12-03: the compiled trainer
-# peaked at 108.7 GiB with half; each un-checkpointed decoder block adds ~0.9-1.45 GiB at 16k, so
-# ~117-122 GiB, and 9 fewer recomputed blocks save ~40 ms of a 1.1 s step). Before: 0.5.
-VL_16K = dict(activation_checkpointing="full", activation_checkpointing_fraction=0.25,
+# VL 16k: half the decoder blocks checkpointed, the vision tower not (110.4 GiB compiled,
+# 2026-12-03). A quarter was tried the same day and is not settled: its run did not log a step
+# before the case timeout (cold Inductor cache), and the Muon case after it ran out of memory.
+VL_16K = dict(activation_checkpointing="full", activation_checkpointing_fraction=0.5,
               vision_activation_checkpointing="none")  # fmt: skip
 VL_32K = dict(activation_checkpointing="full", activation_checkpointing_fraction=1.0,
               vision_activation_checkpointing="full", vision_activation_checkpointing_fraction=0.5)  # fmt: skip
@@ -236,6 +237,31 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
     }
 
 
+def _save_log(name: str, text: str | bytes | None) -> None:
+    """The end of a failed case's stderr, to $OUT/NAME.log (for the traceback)."""
+    if os.environ.get("OUT") and text:
+        if isinstance(text, bytes):
+            text = text.decode(errors="replace")
+        Path(os.environ["OUT"], f"{name}.log").write_text(text[-60000:])
+
+
+def _run_case(cmd: list[str], env: dict, args) -> tuple[int | None, str, str]:
+    """Run one case in its own process group; on timeout kill the whole group (loader and
+    compile workers too) and wait for it, so the next case starts on a GPU with nothing left of
+    this one. Returns (exit code or None on timeout, stdout, stderr)."""
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=args.case_timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+
+
 def run_lmms(name: str, case: dict, work: Path, args) -> dict:
     import yaml
 
@@ -248,18 +274,18 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         + [str(ROOT / "apps/trainer/src"), env.get("PYTHONPATH", "")]
     )
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "lmms_train", str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=args.case_timeout,
-    )
+    code, stdout, stderr = _run_case([sys.executable, "-m", "lmms_train", str(path)], env, args)
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        if os.environ.get("OUT"):  # the whole log, for the traceback
-            Path(os.environ["OUT"], f"{name}.log").write_text(proc.stderr[-60000:])
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    if code is None:  # timed out: keep what it logged (where did the time go?)
+        _save_log(name, stderr)
+        return {
+            "case": name,
+            "status": "timeout",
+            "error": f"over --case-timeout {args.case_timeout} s",
+        }
+    if code != 0:
+        _save_log(name, stderr)
+        tail = (stderr or stdout).strip().splitlines()[-3:]
         return {"case": name, "status": "error", "error": " | ".join(tail)[-300:]}
     rows = [
         json.loads(x) for x in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()

@@ -181,3 +181,45 @@ def test_muon_methods_match_published_step(method):
             assert rel(p.detach() - p0, r - p0) < 0.06
     with pytest.raises(ValueError, match="method"):
         lo.Muon(params, ns_method="fast")  # type: ignore[arg-type]
+
+
+def test_one_rank_fsdp_takes_the_batched_local_path(monkeypatch):
+    """FSDP2 on one rank: each DTensor holds its whole matrix, so Muon must batch it with the
+    same-shaped ones (like plain tensors) instead of the per-matrix distributed path, and give
+    the plain-tensor result."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def train(model, steps=3):
+        opt = lo.Muon(lo.build_muon_param_groups(model, lr=0.02, weight_decay=0.1), lr=0.02)
+        x = torch.randint(0, 11, (24,), generator=torch.Generator().manual_seed(1))
+        for _ in range(steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), x).backward()
+            opt.step()
+        return {
+            k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in model.state_dict().items()
+        }
+
+    torch.manual_seed(0)
+    plain = _Tiny()
+    sharded = copy.deepcopy(plain)
+    expected = train(plain)
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        assert any(hasattr(p, "placements") for p in sharded.parameters())
+
+        def no_gather(self, items):
+            raise AssertionError("a whole-matrix DTensor went through the per-matrix gather path")
+
+        monkeypatch.setattr(lo.Muon, "_orthogonalize", no_gather)
+        got = train(sharded)
+    finally:
+        if owns:
+            dist.destroy_process_group()
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0)

@@ -58,6 +58,21 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "_local_tensor") and hasattr(t, "placements")
 
 
+def _needs_gather(p: torch.Tensor) -> bool:
+    """Whether a parameter's rows are spread over several ranks (NS needs them gathered).
+
+    False for plain tensors and for DTensors whose local tensor is the whole matrix: replicated,
+    or sharded over a mesh dim of size 1 (FSDP2 on one GPU). Those take the local, batched path
+    instead of a per-matrix NS. Unsupported placements raise here, whatever the mesh size.
+    """
+    if not _is_dtensor(p):
+        return False
+    from ._distributed import _shard_dim
+
+    dim = _shard_dim(p)
+    return dim is not None and p.device_mesh.size(dim) > 1  # type: ignore[attr-defined]
+
+
 class Muon(Optimizer):
     """Muon (momentum → Newton–Schulz orthogonalisation) for matrices, AdamW for the rest.
 
@@ -185,9 +200,10 @@ class Muon(Optimizer):
 
     # ------------------------------------------------------------------ Muon side
     def _momentum(self, group: dict[str, Any], dist: list[tuple], local: list[tuple]) -> None:
-        """M = μM + (1-μ)G (one foreach). DTensors get their update U now (appended to ``dist``
-        as (p, U, group)); local params go to ``local`` as (p, G, M, group): their U is written
-        straight into the bf16 NS stack (:meth:`_local_step`)."""
+        """M = μM + (1-μ)G (one foreach). DTensors sharded over several ranks get their update U
+        now (appended to ``dist`` as (p, U, group)); the others (plain tensors, and DTensors held
+        whole by this rank) go to ``local`` as (p, G, M, group): their U is written straight into
+        the bf16 NS stack (:meth:`_local_step`)."""
         ps, gs, bufs = [], [], []
         for p in group["params"]:
             if p.grad is None:
@@ -203,7 +219,7 @@ class Muon(Optimizer):
         mu = group["momentum"]
         torch._foreach_lerp_(bufs, gs, 1 - mu)  # M = μM + (1-μ)G
         for p, g, b in zip(ps, gs, bufs):
-            if _is_dtensor(p):
+            if _needs_gather(p):
                 dist.append((p, g.lerp(b, mu) if group["nesterov"] else b, group))
             else:
                 local.append((p, g, b, group))
