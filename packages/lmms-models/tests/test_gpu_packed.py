@@ -59,3 +59,50 @@ def test_packed_matches_unpacked_on_gpu(name):
             loss.float().cpu(), ref.detach().float().cpu(), rtol=2e-2, atol=1e-2, msg=backend
         )
         spec.set_attention(model, backend="sdpa")
+
+
+def test_qwen2_5_vl_tower_runs_without_host_sync_from_host_grids():
+    """`media_inputs` from host grids: the vision tower (blocks, merger) runs under CUDA's sync
+    debug mode "error" without a synchronising call; from device grids upstream synchronises."""
+    spec = get_model_spec("qwen2_5_vl")
+    if not spec.host_keys:
+        pytest.skip("this transformers does not accept precomputed vision inputs")
+    backends = [b for b in _backends() if b != "flex"]
+    if not backends:
+        pytest.skip("no sync-free varlen backend (fa4, fa or torch) available")
+    torch.manual_seed(0)
+    model = spec.build(config=spec.tiny_config(), device="cuda", attn_backend=backends[0])
+    gen = torch.Generator().manual_seed(0)
+    specs = [
+        SampleSpec(text=9, images=[(1, 4, 4), (1, 2, 6)]),
+        SampleSpec(text=5, images=[(1, 6, 4)]),
+    ]
+    samples = [make_sample(spec, model.config, s, gen=gen) for s in specs]
+    batch = pack_samples(spec, model, samples)  # on the host, as the trainer leaves the grids
+    media = spec.media_inputs(batch, torch.device("cuda"), model=model)
+    model_kwargs = {k: v for k, v in media.items() if k == "pixel_values" or k.startswith("image_")}
+    assert (
+        "image_window_index" in model_kwargs and model_kwargs["image_grid_thw"].device.type == "cpu"
+    )
+    base = spec.base_model(model)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            host = base.get_image_features(**model_kwargs).pooler_output
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    device_kwargs = {
+        "pixel_values": model_kwargs["pixel_values"],
+        "image_grid_thw": model_kwargs["image_grid_thw"].cuda(),
+    }
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError), torch.no_grad():
+            base.get_image_features(**device_kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with torch.no_grad():
+        ref = base.get_image_features(**device_kwargs).pooler_output
+    for a, b in zip(host, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -105,3 +105,43 @@ def test_text_kwargs_do_not_reach_vision_tower():
         spec.set_attention(model, backend="varlen_sdpa")  # re-registers the plain functions
     assert seen["text"] == [batch["input_ids"].numel()] * 2  # 2 decoder layers, whole pack
     assert seen["vision"] == [32] * 3  # 3 blocks, 2 images of 16 patches
+
+
+def test_qwen2_5_vl_vision_inputs_precomputed_on_the_host(monkeypatch):
+    """With the grids on the host, the tower gets its position ids, cu_seqlens, window index and
+    maxima from `media_inputs` (no device synchronisation on a GPU) and the step is bit-identical
+    to the tower computing them itself from the grids."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as upstream
+
+    torch.manual_seed(0)
+    spec = get_model_spec("qwen2_5_vl")
+    if not spec.host_keys:
+        pytest.skip("this transformers does not accept precomputed vision inputs")
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
+    gen = torch.Generator().manual_seed(1)
+    samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)]
+    batch = pack_samples(spec, model, samples)
+    given = []
+    real = upstream.get_vision_window_index
+
+    def spy(*args, kwargs=None, **kw):
+        given.append(kwargs is not None and "window_index" in kwargs)
+        return real(*args, kwargs=kwargs, **kw)
+
+    monkeypatch.setattr(upstream, "get_vision_window_index", spy)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss, _ = spec.packed_forward(model, batch)
+        loss.backward()
+        return loss.detach(), _grads(model)
+
+    loss, grads = step()
+    assert given == [True, True], given  # images and videos: both took the host values
+    given.clear()
+    monkeypatch.setattr(spec, "host_keys", ())  # the tower computes them from the grids
+    ref_loss, ref_grads = step()
+    assert given == [False, False], given
+    assert torch.equal(loss, ref_loss)
+    for k in ref_grads:
+        assert torch.equal(grads[k], ref_grads[k]), k

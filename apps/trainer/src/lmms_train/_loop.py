@@ -91,7 +91,7 @@ def evaluate(run: Run) -> float:
     total, count = 0.0, 0.0
     with torch.no_grad():
         for batch in run.eval_data():
-            batch = move_batch(batch, env.device)
+            batch = move_batch(batch, env.device, run.spec.host_keys)
             ctx = (
                 torch.autocast(env.device.type, dtype=run.autocast_dtype)
                 if run.autocast_dtype
@@ -198,6 +198,7 @@ def train_loop(run: Run) -> dict[str, Any]:
                 scale=1.0 / max(global_count, 1.0),
                 autocast_dtype=run.autocast_dtype,
                 phases=phases,
+                host_keys=run.spec.host_keys,
             )
             norm = grad_norm(run.model, t.max_grad_norm, env.device)
             lr = run.scheduler.get_last_lr()[0]

@@ -88,11 +88,14 @@ def batch_stats(
     return sums, all_lens
 
 
-def move_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Tensors to `device` (pinned + non_blocking on CUDA); other entries unchanged."""
+def move_batch(
+    batch: dict[str, Any], device: torch.device, host_keys: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Tensors to `device` (pinned + non_blocking on CUDA); other entries and the `host_keys`
+    (metadata the model spec reads on the host, `ModelSpec.host_keys`) unchanged."""
     out = {}
     for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.device != device:
+        if isinstance(v, torch.Tensor) and v.device != device and k not in host_keys:
             if device.type == "cuda":
                 v = v.pin_memory() if not v.is_pinned() else v
                 v = v.to(device, non_blocking=True)
@@ -111,6 +114,7 @@ def run_micro_batches(
     scale: float,
     autocast_dtype: torch.dtype | None,
     phases: PhaseTimer | None = None,
+    host_keys: tuple[str, ...] = (),
 ) -> torch.Tensor:
     """Forward+backward every micro-batch; returns this rank's summed (unscaled) loss as a
     float64 tensor on `device` (never read here: no host synchronisation per micro-batch)."""
@@ -121,7 +125,7 @@ def run_micro_batches(
         last = i == len(batches) - 1
         if can_toggle:
             model.set_requires_gradient_sync(last)
-        batch = move_batch(batch, device)
+        batch = move_batch(batch, device, host_keys)
         ctx = (
             torch.autocast(device.type, dtype=autocast_dtype)
             if autocast_dtype is not None

@@ -19,7 +19,7 @@ from torch import nn
 from . import _flops
 from ._attention import set_attention, text_attention_kwargs
 
-__all__ = ["IGNORE_INDEX", "ModelSpec", "shift_labels_packed"]
+__all__ = ["IGNORE_INDEX", "ModelSpec", "shift_labels_packed", "to_device"]
 
 IGNORE_INDEX = -100
 
@@ -33,6 +33,16 @@ def shift_labels_packed(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
     return out
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without making the host wait: a CPU tensor bound for CUDA goes through
+    pinned memory with a non-blocking copy (a pageable source would synchronise the stream)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 class ModelSpec:
     """Base class of the model families; instances live in :data:`lmms_models.MODEL_REGISTRY`.
 
@@ -44,6 +54,9 @@ class ModelSpec:
       (``[4, 1, T]``: per-sample text positions, then the 3 mRoPE rows).
     * ``media_keys``: batch entries passed to the model call (with a leading batch dim only for
       ``mm_token_type_ids``).
+    * ``host_keys``: batch entries the forward wants on the host (a caller that moves batches to
+      the device leaves them there): small metadata such as ``image_grid_thw`` from which the
+      family derives its vision inputs without a device synchronisation (:meth:`media_inputs`).
     * ``presets``: real-size configs (dicts) by name, e.g. ``"3b"``; random weights for benchmarks.
     """
 
@@ -53,6 +66,7 @@ class ModelSpec:
     model_class: str = ""
     position_rows: int = 1
     media_keys: tuple[str, ...] = ()
+    host_keys: tuple[str, ...] = ()
     presets: dict[str, dict[str, Any]] = {}  # noqa: RUF012 (read-only class table)
 
     # ---------------------------------------------------------------- configs
@@ -182,7 +196,7 @@ class ModelSpec:
             "attention_mask": None,
             "use_cache": False,
         }
-        inputs.update(self.media_inputs(batch, dev))
+        inputs.update(self.media_inputs(batch, dev, model=model))
         inputs.update(self.extra_loss_inputs(model))
         flash_kwargs = {
             "cu_seq_lens_q": cu,
@@ -243,14 +257,18 @@ class ModelSpec:
             )
         return pos.unsqueeze(1)  # [R, 1, T]
 
-    def media_inputs(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-        """Media entries of the batch for the model call (only those present)."""
+    def media_inputs(
+        self, batch: dict[str, Any], device: torch.device, *, model: nn.Module | None = None
+    ) -> dict[str, Any]:
+        """Media entries of the batch for the model call (only those present), on ``device``.
+
+        ``model``: the model being called, for families that derive extra inputs from it."""
         out: dict[str, Any] = {}
         for key in self.media_keys:
             value = batch.get(key)
             if value is None:
                 continue
-            value = value.to(device, non_blocking=True)
+            value = to_device(value, device)
             out[key] = value.reshape(1, -1) if key == "mm_token_type_ids" else value
         return out
 

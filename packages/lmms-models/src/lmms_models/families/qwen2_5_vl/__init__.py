@@ -10,6 +10,7 @@ import torch
 
 from ... import _flops
 from ..._registry import register_model
+from ..._spec import to_device
 from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny
 
 __all__ = ["QWEN2_5_VL_3B", "Qwen2_5_VLSpec"]
@@ -93,12 +94,76 @@ _TINY: dict[str, Any] = {
 }
 
 
+def _vision_utils() -> Any:
+    """transformers' host-computable vision helpers, when this transformers lets a caller pass
+    their results in (``image_cu_seqlens``, ... through ``accepts_precomputed_kwargs``; 5.17 has
+    both), else None."""
+    try:
+        from transformers import vision_utils
+        from transformers.utils.generic import accepts_precomputed_kwargs  # noqa: F401
+    except ImportError:
+        return None
+    return vision_utils
+
+
+def precomputed_vision_inputs(vision_config: Any, grid_thw: torch.Tensor) -> dict[str, Any]:
+    """What Qwen2.5-VL's vision tower derives from ``grid_thw [n, 3]`` before its blocks, computed
+    here on the host by transformers' own helpers: rotary position ids, per-frame and per-window
+    ``cu_seqlens`` with their maxima, and the window permutation. Given a CUDA ``grid_thw``
+    the tower computes them itself with ~10 host synchronisations (``.tolist()``, ``.item()``,
+    ``repeat_interleave``, ``unique_consecutive``, indexing with host indices); from a host grid
+    they cost none. Keys are the tower's own (prefix them with the modality for the model call).
+    """
+    vu = _vision_utils()
+    grid = grid_thw.reshape(-1, 3).cpu()
+    merge = vision_config.spatial_merge_size
+    cu = vu.get_vision_cu_seqlens(grid)
+    window_index, cu_window = vu.get_vision_window_index(
+        grid,
+        spatial_merge_size=merge,
+        window_size=vision_config.window_size,
+        patch_size=vision_config.patch_size,
+    )
+    return {
+        "position_ids": vu.get_vision_position_ids(grid, merge),
+        "cu_seqlens": cu,
+        "max_seqlen": int((cu[1:] - cu[:-1]).max()),
+        "window_index": window_index,
+        "cu_window_seqlens": cu_window,
+        "max_window_seqlen": int((cu_window[1:] - cu_window[:-1]).max()),
+    }
+
+
 @register_model("qwen2_5_vl")
 class Qwen2_5_VLSpec(QwenVLSpec):
     processor_family = "qwen2_5_vl"
     config_class = "Qwen2_5_VLConfig"
     model_class = "Qwen2_5_VLForConditionalGeneration"
     presets = {"3b": QWEN2_5_VL_3B}  # noqa: RUF012
+    # the grids stay on the host so that media_inputs can precompute the tower's inputs
+    host_keys = ("image_grid_thw", "video_grid_thw") if _vision_utils() is not None else ()
+
+    def media_inputs(
+        self, batch: dict[str, Any], device: torch.device, *, model: Any = None
+    ) -> dict[str, Any]:
+        """The media entries plus, for each modality whose ``*_grid_thw`` is on the host, the
+        vision tower's precomputed inputs (:func:`precomputed_vision_inputs`) as
+        ``image_*``/``video_*`` keyword arguments, which transformers hands to the tower. The grid
+        itself is passed on the host then (its only other use, splitting the tower's output per
+        image, reads it with ``.tolist()``)."""
+        out = super().media_inputs(batch, device, model=model)
+        if model is None or not self.host_keys:
+            return out
+        vision_config = model.config.vision_config
+        for key, prefix in (("image_grid_thw", "image_"), ("video_grid_thw", "video_")):
+            grid = batch.get(key)
+            if grid is None or grid.device.type != "cpu":
+                continue
+            out[key] = grid
+            for name, value in precomputed_vision_inputs(vision_config, grid).items():
+                is_tensor = isinstance(value, torch.Tensor)
+                out[prefix + name] = to_device(value, device) if is_tensor else value
+        return out
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         return merge_tiny(_TINY, overrides)
