@@ -188,7 +188,11 @@ def pack_batch(spec, model, pack, n_tokens: int, device) -> dict[str, Any]:
     if n_patches:
         batch["pixel_values"] = torch.randn(n_patches, per_patch, device=device)
         batch["image_grid_thw"] = grid
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    # as the trainer does: the spec's host_keys (Qwen2.5-VL's grids) stay on the host
+    keep = spec.host_keys
+    return {
+        k: v.to(device) if torch.is_tensor(v) and k not in keep else v for k, v in batch.items()
+    }
 
 
 def micro_batches(pack, max_padded: int) -> list[list[dict]]:
