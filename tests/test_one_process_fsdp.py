@@ -108,3 +108,41 @@ def test_step_metrics_are_read_one_step_late(tiny_inputs, tmp_path, monkeypatch,
         "queue", "queue", "read 1", "queue", "read 2", "queue", "read 3", "read 4",
     ], order  # fmt: skip
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_profile_steps_write_trace_ops_and_host_waits(tiny_inputs, tmp_path, no_torchrun):
+    """`profile_steps: [2, 3]`: the trace, the operator table and the wait summary are written
+    for exactly that window."""
+    import json
+
+    cfg = tiny_config(tiny_inputs, tmp_path / "run", max_steps=4, save_final=False,
+                      profile_steps=[2, 3])  # fmt: skip
+    train(config_from_dict(cfg))
+    prof = tmp_path / "run" / "profile"
+    assert sorted(p.name for p in prof.iterdir()) == [
+        "ops_rank0.txt", "syncs_rank0.json", "trace_rank0.json.gz",
+    ]  # fmt: skip
+    summary = json.loads((prof / "syncs_rank0.json").read_text())
+    assert summary["steps"] == [2, 3]
+    assert set(summary["totals"]) == {"event_wait", "sync"}
+    if not torch.cuda.is_available():  # CPU runs have no device to wait for
+        assert summary["sites"] == [] and summary["totals"]["sync"]["count"] == 0
+    assert "Self CPU" in (prof / "ops_rank0.txt").read_text()
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_wait_summary_points_at_the_line_that_read_a_scalar():
+    from torch.profiler import ProfilerActivity, profile
+
+    from lmms_train._profile import summarize_waits
+
+    def culprit(t):
+        return t.sum().item()
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        culprit(torch.ones(4))
+    # on CPU no CUDA call waits, so attribute the scalar read itself (the op a sync sits under)
+    summary = summarize_waits(prof.events(), kinds={"aten::_local_scalar_dense": "read"})
+    assert summary["totals"]["read"]["count"] == 1
+    (site,) = summary["sites"]
+    assert site["op"] == "aten::item" and "culprit" in site["site"][0], site

@@ -46,8 +46,10 @@ for s in $STAGES; do
     # with a warm cache, more when cold) before its 24 steps: give each case 240 s. A 16k case
     # took 124-146 s of wall time with a warm cache, so on a cold machine split the four cases
     # over two calls.
-    train8vl) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 20 \
-      --warmup 4 --records 1500 --case-timeout 240 \
+    # --profile-steps: one extra step (25, the last) under the profiler, left out of the timed 20, for the
+    # host waits (syncs) and the operator table.
+    train8vl) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 240 --profile-steps 25 25 \
       --cases vl3b_16k vl3b_16k_muon vl3b_32k vl3b_32k_muon ;;
     # plain transformers on the same VL records (10-11 s a step: few steps)
     baselines) stage baselines 200 python3 benchmarks/train/bench_train.py --steps 4 --warmup 1 \

@@ -232,6 +232,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "report_to": [],
             "profile_step_breakdown": True,
             "compile": args.compile,
+            "profile_steps": args.profile_steps or [],
             "seed": 0,
         },
     }
@@ -290,7 +291,13 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
     rows = [
         json.loads(x) for x in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()
     ]
-    rows = [r for r in rows if r.get("step", 0) > args.warmup and "tokens" in r]
+    profiled = range(args.profile_steps[0], args.profile_steps[1] + 1) if args.profile_steps else ()
+    # timed: after warm-up, and not a profiled step (the profiler slows the step it records)
+    rows = [
+        r
+        for r in rows
+        if r.get("step", 0) > args.warmup and "tokens" in r and r["step"] not in profiled
+    ]
     dt = sum(r["step_time"] for r in rows)
     out = {
         "case": name,
@@ -310,6 +317,17 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         "layout": " ".join(f"{k}={v}" for k, v in ac_layout(case, args).items()),
         "compile": args.compile,
     }
+    syncs = work / "runs" / name / "profile" / "syncs_rank0.json"
+    if args.profile_steps and syncs.exists():  # where the host waited for the device
+        ops = syncs.with_name("ops_rank0.txt")
+        if os.environ.get("OUT") and ops.exists():
+            Path(os.environ["OUT"], f"{name}.ops.txt").write_text(ops.read_text())
+        summary = json.loads(syncs.read_text())
+        out["host_waits"] = summary["totals"]
+        out["host_wait_sites"] = [
+            f"{s['count']}x {s['name']} under {s['op'] or '-'} at {(s['site'] or ['?'])[0]}"
+            for s in summary["sites"][:8]
+        ]
     for part in ("forward", "backward", "optimizer"):
         key = f"time/{part}"
         if all(key in r for r in rows):
@@ -470,6 +488,14 @@ def main() -> None:
         help="trainer_args.reshard_after_forward: false (gathered weights kept until backward)",
     )
     p.add_argument("--compile", action="store_true", help="trainer_args.compile: blocks compiled")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        nargs=2,
+        metavar=("FIRST", "LAST"),
+        help="trainer_args.profile_steps: profile these steps (left out of the timed ones); rows "
+        "get the host waits (count, ms, top call sites) from the run's profile/syncs_rank0.json",
+    )
     p.add_argument(
         "--tag",
         default="",

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from lmms_train._checkpoint import RunCheckpointer
 from lmms_train._dist import DistEnv
 from lmms_train._flops import mfu
 from lmms_train._metrics import MetricsLogger
+from lmms_train._profile import StepProfiler
 from lmms_train._state import TrainState
 from lmms_train._step import (
     STAT_KEYS,
@@ -172,8 +174,12 @@ def train_loop(run: Run) -> dict[str, Any]:
     queued: _Queued | None = None
     data_iter = iter(run.data)
     run.model.train()
+    profiler = StepProfiler(
+        t.profile_steps, Path(t.output_dir), env.device, env.rank, announce=env.is_main
+    )
     try:
         while run.state.step < t.max_steps:
+            profiler.before_step(run.state.step + 1)
             clock = StepClock(env.device)
             t0 = time.perf_counter()
             batches = [next(data_iter) for _ in range(t.gradient_accumulation_steps)]
@@ -255,6 +261,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         if queued is not None:
             last = _finish(run, queued, phases)
     finally:
+        profiler.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return last

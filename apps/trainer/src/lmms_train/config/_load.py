@@ -220,6 +220,11 @@ def validate(cfg: TrainConfig) -> None:
         "trainer_args.activation_checkpointing_fraction must be in [0, 1], got "
         f"{t.activation_checkpointing_fraction!r}",
     )
+    p = t.profile_steps
+    _check(
+        not p or (len(p) == 2 and 1 <= p[0] <= p[1]),
+        f"trainer_args.profile_steps must be [] or [first, last] with 1 <= first <= last, got {p!r}",
+    )
     _check(
         0.0 <= t.vision_activation_checkpointing_fraction <= 1.0,
         "trainer_args.vision_activation_checkpointing_fraction must be in [0, 1], got "

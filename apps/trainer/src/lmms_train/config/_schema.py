@@ -297,6 +297,13 @@ class TrainerArgs:
     logging_steps: int = _f(
         1, "Print to the console every this many steps (JSONL gets every step)."
     )
+    profile_steps: list[int] = _f(
+        [],
+        "`[first, last]`: run torch.profiler from step `first` through step `last` and write, "
+        "under `output_dir/profile/`, the trace (Perfetto), an operator table and where the host "
+        "waited for the device (`syncs_rank*.json`: count, time and call site of each wait). "
+        "Empty: off.",
+    )
     profile_step_breakdown: bool = _f(
         False,
         "Log `time/forward`, `time/backward` and `time/optimizer` per step (CUDA events, read "
