@@ -145,3 +145,27 @@ def test_qwen2_5_vl_vision_inputs_precomputed_on_the_host(monkeypatch):
     assert torch.equal(loss, ref_loss)
     for k in ref_grads:
         assert torch.equal(grads[k], ref_grads[k]), k
+
+
+@pytest.mark.parametrize("name", TEXT_FAMILIES + VL_FAMILIES)
+def test_mask_mapping_skips_packed_sequence_detection(name, monkeypatch):
+    """Families flagged `mask_mapping` hand their decoder prepared (empty) masks, so transformers
+    does not look for packed sequences in `position_ids` (a host read of a device value); the
+    flag must match what the installed transformers does for the family."""
+    import transformers.masking_utils as mu
+
+    calls = []
+    real = mu.find_packed_sequence_indices
+
+    def spy(position_ids):
+        calls.append(1)
+        return real(position_ids)
+
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", spy)
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
+    gen = torch.Generator().manual_seed(1)
+    samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)[:3]]
+    spec.packed_forward(model, pack_samples(spec, model, samples))
+    assert bool(calls) != spec.mask_mapping, (name, len(calls))

@@ -33,6 +33,11 @@ def shift_labels_packed(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
     return out
 
 
+# Prepared masks for every layer type of the supported decoders: none (varlen attention takes the
+# segments from cu_seqlens). Layers index it by their config's layer type.
+_NO_MASKS = {"full_attention": None, "sliding_attention": None}
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` without making the host wait: a CPU tensor bound for CUDA goes through
     pinned memory with a non-blocking copy (a pageable source would synchronise the stream)."""
@@ -54,6 +59,11 @@ class ModelSpec:
       (``[4, 1, T]``: per-sample text positions, then the 3 mRoPE rows).
     * ``media_keys``: batch entries passed to the model call (with a leading batch dim only for
       ``mm_token_type_ids``).
+    * ``mask_mapping``: the upstream decoder accepts ``attention_mask`` as a prepared
+      ``{layer type: mask}`` mapping (its ``isinstance(attention_mask, dict)`` branch). The packed
+      forward then passes ``None`` masks that way, which skips transformers' mask preparation: from
+      ``position_ids`` alone it looks for packed sequences and reads the answer on the host, one
+      device synchronisation per forward, for a mask that varlen attention never uses.
     * ``host_keys``: batch entries the forward wants on the host (a caller that moves batches to
       the device leaves them there): small metadata such as ``image_grid_thw`` from which the
       family derives its vision inputs without a device synchronisation (:meth:`media_inputs`).
@@ -67,6 +77,7 @@ class ModelSpec:
     position_rows: int = 1
     media_keys: tuple[str, ...] = ()
     host_keys: tuple[str, ...] = ()
+    mask_mapping: bool = False
     presets: dict[str, dict[str, Any]] = {}  # noqa: RUF012 (read-only class table)
 
     # ---------------------------------------------------------------- configs
@@ -163,7 +174,7 @@ class ModelSpec:
     ) -> tuple[torch.Tensor, ...]:
         """Forward one packed row; return ``(loss_sum fp32 scalar, n_loss_tokens int64 scalar)``.
 
-        The upstream base model runs on ``input_ids [1, T]`` with ``attention_mask=None``,
+        The upstream base model runs on ``input_ids [1, T]`` with no attention mask,
         ``use_cache=False``, the pack's position ids and media tensors; the pack's ``cu_seqlens``
         reach the text decoder's attention as transformers' flash keyword arguments. The loss is
         ``lmms_kernels.fused_linear_cross_entropy`` on the last hidden state and the LM head weight,
@@ -193,7 +204,7 @@ class ModelSpec:
         inputs: dict[str, Any] = {
             "input_ids": input_ids,
             "position_ids": self.pack_position_ids(batch, n_tokens, dev),
-            "attention_mask": None,
+            "attention_mask": dict(_NO_MASKS) if self.mask_mapping else None,
             "use_cache": False,
         }
         inputs.update(self.media_inputs(batch, dev, model=model))

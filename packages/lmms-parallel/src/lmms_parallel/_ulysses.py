@@ -285,7 +285,7 @@ class SequenceParallel:
             kwargs["inputs_embeds"] = _pad_slice(embeds, 1, sp, rank, 0.0)
         for key in _SEQ_KWARGS_2D:
             value = kwargs.get(key)
-            if value is not None:
+            if torch.is_tensor(value):  # (a prepared {layer type: mask} mapping passes through)
                 kwargs[key] = _pad_slice(value, 1, sp, rank, 0)
         cache_position = kwargs.get("cache_position")
         if cache_position is not None and cache_position.shape[-1] == length:

@@ -33,6 +33,7 @@ class Qwen2Spec(ModelSpec):
     processor_family = "qwen2"
     config_class = "Qwen2Config"
     model_class = "Qwen2ForCausalLM"
+    mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         return tiny_text(**overrides)

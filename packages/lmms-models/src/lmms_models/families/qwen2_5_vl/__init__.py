@@ -139,6 +139,7 @@ class Qwen2_5_VLSpec(QwenVLSpec):
     processor_family = "qwen2_5_vl"
     config_class = "Qwen2_5_VLConfig"
     model_class = "Qwen2_5_VLForConditionalGeneration"
+    mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch
     presets = {"3b": QWEN2_5_VL_3B}  # noqa: RUF012
     # the grids stay on the host so that media_inputs can precompute the tower's inputs
     host_keys = ("image_grid_thw", "video_grid_thw") if _vision_utils() is not None else ()

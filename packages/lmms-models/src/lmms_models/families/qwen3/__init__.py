@@ -18,6 +18,7 @@ class Qwen3Spec(ModelSpec):
     processor_family = "qwen3"
     config_class = "Qwen3Config"
     model_class = "Qwen3ForCausalLM"
+    mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         return tiny_text(**{"head_dim": 32, "attention_bias": False, **overrides})
