@@ -62,7 +62,7 @@ def test_packed_matches_unpacked_on_gpu(name):
 
 
 def test_qwen2_5_vl_tower_runs_without_host_sync_from_host_grids():
-    """`media_inputs` from host grids: the vision tower (blocks, merger) runs under CUDA's sync
+    """Host grids under `media_context`: the vision tower (blocks, merger) runs under CUDA's sync
     debug mode "error" without a synchronising call; from device grids upstream synchronises."""
     spec = get_model_spec("qwen2_5_vl")
     if not spec.host_keys:
@@ -80,22 +80,17 @@ def test_qwen2_5_vl_tower_runs_without_host_sync_from_host_grids():
     samples = [make_sample(spec, model.config, s, gen=gen) for s in specs]
     batch = pack_samples(spec, model, samples)  # on the host, as the trainer leaves the grids
     media = spec.media_inputs(batch, torch.device("cuda"), model=model)
-    model_kwargs = {k: v for k, v in media.items() if k == "pixel_values" or k.startswith("image_")}
-    assert (
-        "image_window_index" in model_kwargs and model_kwargs["image_grid_thw"].device.type == "cpu"
-    )
+    host_kwargs = {"pixel_values": media["pixel_values"], "image_grid_thw": media["image_grid_thw"]}
+    assert host_kwargs["image_grid_thw"].device.type == "cpu"
     base = spec.base_model(model)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with torch.no_grad():
-            host = base.get_image_features(**model_kwargs).pooler_output
+        with torch.no_grad(), spec.media_context(model):
+            host = base.get_image_features(**host_kwargs).pooler_output
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    device_kwargs = {
-        "pixel_values": model_kwargs["pixel_values"],
-        "image_grid_thw": model_kwargs["image_grid_thw"].cuda(),
-    }
+    device_kwargs = {**host_kwargs, "image_grid_thw": host_kwargs["image_grid_thw"].cuda()}
     torch.cuda.set_sync_debug_mode("error")
     try:
         with pytest.raises(RuntimeError), torch.no_grad():

@@ -109,8 +109,8 @@ def test_text_kwargs_do_not_reach_vision_tower():
 
 def test_qwen2_5_vl_vision_inputs_precomputed_on_the_host(monkeypatch):
     """With the grids on the host, the tower gets its position ids, cu_seqlens, window index and
-    maxima from `media_inputs` (no device synchronisation on a GPU) and the step is bit-identical
-    to the tower computing them itself from the grids."""
+    maxima computed there (no device synchronisation on a GPU), the decoder does not see them,
+    and the step is bit-identical to the tower computing them itself from the grids."""
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as upstream
 
     torch.manual_seed(0)
@@ -129,6 +129,10 @@ def test_qwen2_5_vl_vision_inputs_precomputed_on_the_host(monkeypatch):
         return real(*args, kwargs=kwargs, **kw)
 
     monkeypatch.setattr(upstream, "get_vision_window_index", spy)
+    layer_kwargs = []
+    spec.decoder_blocks(model)[0].register_forward_pre_hook(
+        lambda _m, _a, kw: layer_kwargs.append(set(kw)), with_kwargs=True
+    )
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -138,6 +142,7 @@ def test_qwen2_5_vl_vision_inputs_precomputed_on_the_host(monkeypatch):
 
     loss, grads = step()
     assert given == [True, True], given  # images and videos: both took the host values
+    assert not any("window" in k or k.startswith(("image_", "video_")) for k in layer_kwargs[0])
     given.clear()
     monkeypatch.setattr(spec, "host_keys", ())  # the tower computes them from the grids
     ref_loss, ref_grads = step()

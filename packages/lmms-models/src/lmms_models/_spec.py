@@ -9,6 +9,7 @@ trainer (which blocks to shard, which module to slice for sequence parallel, FLO
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -215,7 +216,10 @@ class ModelSpec:
             "max_length_q": max_len,
             "max_length_k": max_len,
         }
-        with text_attention_kwargs(self.sp_slice_module(model), **flash_kwargs):
+        with (
+            text_attention_kwargs(self.sp_slice_module(model), **flash_kwargs),
+            self.media_context(model),
+        ):
             out = self.base_model(model)(**inputs)
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # [T(/sp), H]
         if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
@@ -271,7 +275,8 @@ class ModelSpec:
     def media_inputs(
         self, batch: dict[str, Any], device: torch.device, *, model: nn.Module | None = None
     ) -> dict[str, Any]:
-        """Media entries of the batch for the model call (only those present), on ``device``.
+        """Media entries of the batch for the model call (only those present), on ``device``
+        except the ``host_keys``, which stay where they are.
 
         ``model``: the model being called, for families that derive extra inputs from it."""
         out: dict[str, Any] = {}
@@ -279,9 +284,16 @@ class ModelSpec:
             value = batch.get(key)
             if value is None:
                 continue
-            value = to_device(value, device)
+            if key not in self.host_keys:
+                value = to_device(value, device)
             out[key] = value.reshape(1, -1) if key == "mm_token_type_ids" else value
         return out
+
+    def media_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """A context the packed forward runs the model in (default: none). Families whose
+        ``host_keys`` stay on the host derive the inputs that need them here (Qwen2.5-VL: a hook
+        on the vision tower)."""
+        return contextlib.nullcontext()
 
     def sample_position_ids(
         self, model: nn.Module, input_ids: torch.Tensor, **media: Any

@@ -4,6 +4,8 @@ layers, then merges 2×2 patches into one LM token."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -112,7 +114,7 @@ def precomputed_vision_inputs(vision_config: Any, grid_thw: torch.Tensor) -> dic
     ``cu_seqlens`` with their maxima, and the window permutation. Given a CUDA ``grid_thw``
     the tower computes them itself with ~10 host synchronisations (``.tolist()``, ``.item()``,
     ``repeat_interleave``, ``unique_consecutive``, indexing with host indices); from a host grid
-    they cost none. Keys are the tower's own (prefix them with the modality for the model call).
+    they cost none. Keys are the tower's keyword arguments.
     """
     vu = _vision_utils()
     grid = grid_thw.reshape(-1, 3).cpu()
@@ -141,30 +143,37 @@ class Qwen2_5_VLSpec(QwenVLSpec):
     model_class = "Qwen2_5_VLForConditionalGeneration"
     mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch
     presets = {"3b": QWEN2_5_VL_3B}  # noqa: RUF012
-    # the grids stay on the host so that media_inputs can precompute the tower's inputs
+    # the grids stay on the host; media_context derives the tower's inputs from them there
     host_keys = ("image_grid_thw", "video_grid_thw") if _vision_utils() is not None else ()
 
-    def media_inputs(
-        self, batch: dict[str, Any], device: torch.device, *, model: Any = None
-    ) -> dict[str, Any]:
-        """The media entries plus, for each modality whose ``*_grid_thw`` is on the host, the
-        vision tower's precomputed inputs (:func:`precomputed_vision_inputs`) as
-        ``image_*``/``video_*`` keyword arguments, which transformers hands to the tower. The grid
-        itself is passed on the host then (its only other use, splitting the tower's output per
-        image, reads it with ``.tolist()``)."""
-        out = super().media_inputs(batch, device, model=model)
-        if model is None or not self.host_keys:
-            return out
+    @contextlib.contextmanager
+    def media_context(self, model: Any) -> Iterator[None]:
+        """While active, a call of the vision tower with a host ``grid_thw`` also receives the
+        inputs the tower would derive from it (:func:`precomputed_vision_inputs`), computed on the
+        host and copied to the tower's device without a synchronisation. Only the tower sees
+        them (a hook on it, not model keyword arguments, which would also reach the decoder)."""
+        if not self.host_keys:
+            yield
+            return
+        tower = self.vision_tower(model)
         vision_config = model.config.vision_config
-        for key, prefix in (("image_grid_thw", "image_"), ("video_grid_thw", "video_")):
-            grid = batch.get(key)
-            if grid is None or grid.device.type != "cpu":
-                continue
-            out[key] = grid
-            for name, value in precomputed_vision_inputs(vision_config, grid).items():
-                is_tensor = isinstance(value, torch.Tensor)
-                out[prefix + name] = to_device(value, device) if is_tensor else value
-        return out
+
+        def hook(_mod: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+            if not isinstance(grid, torch.Tensor) or grid.device.type != "cpu":
+                return args, kwargs
+            device = (args[0] if args else kwargs["hidden_states"]).device
+            extra = {
+                k: to_device(v, device) if isinstance(v, torch.Tensor) else v
+                for k, v in precomputed_vision_inputs(vision_config, grid).items()
+            }
+            return args, {**extra, **kwargs}
+
+        handle = tower.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         return merge_tiny(_TINY, overrides)
