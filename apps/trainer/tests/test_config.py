@@ -60,6 +60,9 @@ def test_load_and_overrides(tmp_path):
         ("trainer_args.max_steps=0", "max_steps must be > 0"),
         ("trainer_args.report_to=[wandbb]", "did you mean 'wandb'"),
         ("trainer_args.use_rmpad=false", "use_rmpad: true"),
+        ("trainer_args.profile_steps=[3,2]", "profile_steps must be"),
+        ("trainer_args.profile_steps=[0,1]", "profile_steps must be"),
+        ("trainer_args.profile_steps=[5]", "profile_steps must be"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
