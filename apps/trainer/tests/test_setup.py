@@ -138,3 +138,12 @@ def test_allocator_conf_defaults_to_expandable_segments_and_keeps_the_users():
         mine = {var: "max_split_size_mb:128"}
         assert not default_allocator_conf(mine)
         assert mine == {var: "max_split_size_mb:128"}
+
+
+def test_fa4_kernel_cache_defaults_on_and_keeps_the_users():
+    from lmms_train._dist import FA4_CACHE_VAR, default_kernel_cache
+
+    environ: dict[str, str] = {}
+    assert default_kernel_cache(environ) and environ == {FA4_CACHE_VAR: "1"}
+    mine = {FA4_CACHE_VAR: "0"}
+    assert not default_kernel_cache(mine) and mine == {FA4_CACHE_VAR: "0"}

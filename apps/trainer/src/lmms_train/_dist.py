@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from lmms_train._errors import ConfigError
 
-__all__ = ["DistEnv", "default_allocator_conf", "init_distributed"]
+__all__ = ["DistEnv", "default_allocator_conf", "default_kernel_cache", "init_distributed"]
 
 # Variables torch reads its CUDA caching-allocator settings from (the first is the newer name).
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
@@ -123,6 +123,23 @@ def default_allocator_conf(environ: dict[str, str] | None = None) -> bool:
     return True
 
 
+# flash-attn 4 compiles its CuTe kernels on first use in every process (per head dim, causality,
+# direction); with its persistent cache on, later runs on the machine load them from disk instead.
+FA4_CACHE_VAR = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+
+
+def default_kernel_cache(environ: dict[str, str] | None = None) -> bool:
+    """Turn on flash-attn 4's on-disk kernel cache (its own switch, keyed by its source and
+    library versions; directory `FLASH_ATTENTION_CUTE_DSL_CACHE_DIR`, default under the temp dir)
+    unless the user set the switch. Read when flash-attn 4 is imported, which lmms-kernels does
+    lazily, after this. Returns whether it set the variable."""
+    environ = os.environ if environ is None else environ
+    if FA4_CACHE_VAR in environ:
+        return False
+    environ[FA4_CACHE_VAR] = "1"
+    return True
+
+
 def init_distributed(*, device: str, sp: int, dp_replicate: int, fsdp: bool) -> DistEnv:
     """Read torchrun's environment, check the parallel degrees, join the process group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -136,6 +153,7 @@ def init_distributed(*, device: str, sp: int, dp_replicate: int, fsdp: bool) -> 
     if world > 1 and not fsdp:
         raise ConfigError("trainer_args.fsdp: false is only supported on one process")
     default_allocator_conf()
+    default_kernel_cache()
     dev = _pick_device(device, local_rank)
     env = DistEnv(
         rank=rank,
