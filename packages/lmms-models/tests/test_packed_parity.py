@@ -107,28 +107,39 @@ def test_text_kwargs_do_not_reach_vision_tower():
     assert seen["vision"] == [32] * 3  # 3 blocks, 2 images of 16 patches
 
 
-def test_qwen2_5_vl_vision_inputs_precomputed_on_the_host(monkeypatch):
-    """With the grids on the host, the tower gets its position ids, cu_seqlens, window index and
-    maxima computed there (no device synchronisation on a GPU), the decoder does not see them,
-    and the step is bit-identical to the tower computing them itself from the grids."""
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as upstream
+# per VL family: the upstream helper whose precomputed input shows the tower took the host values
+_HOST_CHECK = {
+    "qwen2_5_vl": ("get_vision_window_index", "window_index"),
+    "qwen3_vl": ("get_vision_interpolation_indices_and_weights", "interp_indices"),
+}
 
-    torch.manual_seed(0)
-    spec = get_model_spec("qwen2_5_vl")
+
+@pytest.mark.parametrize("name", VL_FAMILIES)
+def test_vision_inputs_precomputed_on_the_host(name, monkeypatch):
+    """With the grids on the host, the tower gets the inputs it derives from them (rotary ids,
+    cu_seqlens, windows or position-embedding interpolation) computed there (no device
+    synchronisation on a GPU), the decoder does not see them, and the step is bit-identical to
+    the tower computing them itself from the grids."""
+    import importlib
+
+    spec = get_model_spec(name)
     if not spec.host_keys:
         pytest.skip("this transformers does not accept precomputed vision inputs")
+    upstream = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    helper, key = _HOST_CHECK[name]
+    torch.manual_seed(0)
     model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
     gen = torch.Generator().manual_seed(1)
     samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)]
     batch = pack_samples(spec, model, samples)
     given = []
-    real = upstream.get_vision_window_index
+    real = getattr(upstream, helper)
 
     def spy(*args, kwargs=None, **kw):
-        given.append(kwargs is not None and "window_index" in kwargs)
+        given.append(kwargs is not None and key in kwargs)
         return real(*args, kwargs=kwargs, **kw)
 
-    monkeypatch.setattr(upstream, "get_vision_window_index", spy)
+    monkeypatch.setattr(upstream, helper, spy)
     layer_kwargs = []
     spec.decoder_blocks(model)[0].register_forward_pre_hook(
         lambda _m, _a, kw: layer_kwargs.append(set(kw)), with_kwargs=True
@@ -141,12 +152,13 @@ def test_qwen2_5_vl_vision_inputs_precomputed_on_the_host(monkeypatch):
         return loss.detach(), _grads(model)
 
     loss, grads = step()
-    assert given == [True, True], given  # images and videos: both took the host values
-    assert not any("window" in k or k.startswith(("image_", "video_")) for k in layer_kwargs[0])
+    assert given and all(given), given  # images and videos: every tower call took host values
+    assert not any(k in layer_kwargs[0] for k in (key, "cu_seqlens", "grid_thw"))
+    calls = len(given)
     given.clear()
     monkeypatch.setattr(spec, "host_keys", ())  # the tower computes them from the grids
     ref_loss, ref_grads = step()
-    assert given == [False, False], given
+    assert given == [False] * calls, given
     assert torch.equal(loss, ref_loss)
     for k in ref_grads:
         assert torch.equal(grads[k], ref_grads[k]), k

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._spec import ModelSpec
+from ._spec import ModelSpec, to_device
 
-__all__ = ["TINY_TOKEN_IDS", "QwenVLSpec"]
+__all__ = ["TINY_TOKEN_IDS", "QwenVLSpec", "vision_utils"]
 
 #: Special token ids of the tiny presets (inside the tiny vocab of 1024). Override them with
 #: ``tiny_config(image_token_id=..., ...)`` to match a locally trained tokenizer.
@@ -32,10 +35,31 @@ def merge_tiny(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
     return out
 
 
+@functools.cache
+def vision_utils() -> Any:
+    """transformers' host-computable vision helpers (``transformers.vision_utils``), in versions
+    whose vision towers take the helpers' results as keyword arguments instead of computing them
+    (5.17 does: ``cu_seqlens``, ``position_ids``, ... popped from the tower's kwargs), else None."""
+    try:
+        from transformers import vision_utils as vu
+        from transformers.utils.generic import accepts_precomputed_kwargs  # noqa: F401
+    except ImportError:
+        return None
+    return vu
+
+
 class QwenVLSpec(ModelSpec):
-    """Qwen-VL: ``position_ids [4, 1, T]`` (per-sample text positions, then the 3 mRoPE rows)."""
+    """Qwen-VL: ``position_ids [4, 1, T]`` (per-sample text positions, then the 3 mRoPE rows).
+
+    Vision inputs from host grids: the towers derive rotary ids, ``cu_seqlens`` and the like from
+    ``grid_thw``; from a device grid that costs host synchronisations (``.tolist()``, ``.item()``,
+    ``repeat_interleave``, ...). When transformers lets a caller pass them in, the grids stay on
+    the host (``host_keys``) and :meth:`media_context` hands the tower what
+    :meth:`host_vision_inputs` computes there.
+    """
 
     position_rows = 4
+    host_keys = ("image_grid_thw", "video_grid_thw") if vision_utils() is not None else ()
     media_keys = (
         "pixel_values",
         "image_grid_thw",
@@ -86,3 +110,35 @@ class QwenVLSpec(ModelSpec):
             rows = pos[:, 0]  # [3, L]
         text = torch.arange(ids.shape[1], device=ids.device)[None]
         return torch.cat([text, rows.to(text.dtype)], 0)  # [4, L]
+
+    def host_vision_inputs(self, tower: nn.Module, grid_thw: torch.Tensor) -> dict[str, Any]:
+        """The tower's keyword arguments derived from a host ``grid_thw [n, 3]``, computed on the
+        host (the family's own list; default none)."""
+        return {}
+
+    @contextlib.contextmanager
+    def media_context(self, model: nn.Module) -> Iterator[None]:
+        """While active, a call of the vision tower with a host ``grid_thw`` also receives
+        :meth:`host_vision_inputs`, copied to the tower's device without a synchronisation. Only
+        the tower sees them (a hook on it; model keyword arguments would reach the decoder too)."""
+        if not self.host_keys:
+            yield
+            return
+        tower = self.vision_tower(model)
+
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+            if not isinstance(grid, torch.Tensor) or grid.device.type != "cpu":
+                return args, kwargs
+            device = (args[0] if args else kwargs["hidden_states"]).device
+            extra = {
+                k: to_device(v, device) if isinstance(v, torch.Tensor) else v
+                for k, v in self.host_vision_inputs(tower, grid).items()
+            }
+            return args, {**extra, **kwargs}
+
+        handle = tower.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()

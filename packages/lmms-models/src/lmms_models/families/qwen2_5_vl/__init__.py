@@ -4,16 +4,13 @@ layers, then merges 2×2 patches into one LM token."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ... import _flops
 from ..._registry import register_model
-from ..._spec import to_device
-from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny
+from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
 
 __all__ = ["QWEN2_5_VL_3B", "Qwen2_5_VLSpec"]
 
@@ -96,18 +93,6 @@ _TINY: dict[str, Any] = {
 }
 
 
-def _vision_utils() -> Any:
-    """transformers' host-computable vision helpers, when this transformers lets a caller pass
-    their results in (``image_cu_seqlens``, ... through ``accepts_precomputed_kwargs``; 5.17 has
-    both), else None."""
-    try:
-        from transformers import vision_utils
-        from transformers.utils.generic import accepts_precomputed_kwargs  # noqa: F401
-    except ImportError:
-        return None
-    return vision_utils
-
-
 def precomputed_vision_inputs(vision_config: Any, grid_thw: torch.Tensor) -> dict[str, Any]:
     """What Qwen2.5-VL's vision tower derives from ``grid_thw [n, 3]`` before its blocks, computed
     here on the host by transformers' own helpers: rotary position ids, per-frame and per-window
@@ -116,7 +101,7 @@ def precomputed_vision_inputs(vision_config: Any, grid_thw: torch.Tensor) -> dic
     ``repeat_interleave``, ``unique_consecutive``, indexing with host indices); from a host grid
     they cost none. Keys are the tower's keyword arguments.
     """
-    vu = _vision_utils()
+    vu = vision_utils()
     grid = grid_thw.reshape(-1, 3).cpu()
     merge = vision_config.spatial_merge_size
     cu = vu.get_vision_cu_seqlens(grid)
@@ -143,37 +128,9 @@ class Qwen2_5_VLSpec(QwenVLSpec):
     model_class = "Qwen2_5_VLForConditionalGeneration"
     mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch
     presets = {"3b": QWEN2_5_VL_3B}  # noqa: RUF012
-    # the grids stay on the host; media_context derives the tower's inputs from them there
-    host_keys = ("image_grid_thw", "video_grid_thw") if _vision_utils() is not None else ()
 
-    @contextlib.contextmanager
-    def media_context(self, model: Any) -> Iterator[None]:
-        """While active, a call of the vision tower with a host ``grid_thw`` also receives the
-        inputs the tower would derive from it (:func:`precomputed_vision_inputs`), computed on the
-        host and copied to the tower's device without a synchronisation. Only the tower sees
-        them (a hook on it, not model keyword arguments, which would also reach the decoder)."""
-        if not self.host_keys:
-            yield
-            return
-        tower = self.vision_tower(model)
-        vision_config = model.config.vision_config
-
-        def hook(_mod: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
-            if not isinstance(grid, torch.Tensor) or grid.device.type != "cpu":
-                return args, kwargs
-            device = (args[0] if args else kwargs["hidden_states"]).device
-            extra = {
-                k: to_device(v, device) if isinstance(v, torch.Tensor) else v
-                for k, v in precomputed_vision_inputs(vision_config, grid).items()
-            }
-            return args, {**extra, **kwargs}
-
-        handle = tower.register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            yield
-        finally:
-            handle.remove()
+    def host_vision_inputs(self, tower: Any, grid_thw: torch.Tensor) -> dict[str, Any]:
+        return precomputed_vision_inputs(tower.config, grid_thw)
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         return merge_tiny(_TINY, overrides)

@@ -11,7 +11,7 @@ import torch
 
 from ... import _flops
 from ..._registry import register_model
-from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny
+from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
 
 __all__ = ["Qwen3VLSpec"]
 
@@ -59,6 +59,29 @@ class Qwen3VLSpec(QwenVLSpec):
     processor_family = "qwen3_vl"
     config_class = "Qwen3VLConfig"
     model_class = "Qwen3VLForConditionalGeneration"
+
+    def host_vision_inputs(self, tower: Any, grid_thw: torch.Tensor) -> dict[str, Any]:
+        """The learned position embedding's bilinear interpolation (indices, weights), rotary
+        position ids and per-frame ``cu_seqlens`` with its maximum, from the host grid, by
+        transformers' own helpers with the tower's settings."""
+        vu = vision_utils()
+        grid = grid_thw.reshape(-1, 3).cpu()
+        merge = tower.config.spatial_merge_size
+        indices, weights = vu.get_vision_interpolation_indices_and_weights(
+            grid,
+            num_grid_per_side=tower.num_grid_per_side,
+            mode=tower.interpolation_mode,
+            align_corners=tower.interpolation_align_corners,
+            spatial_merge_size=merge,
+        )
+        cu = vu.get_vision_cu_seqlens(grid)
+        return {
+            "interp_indices": indices,
+            "interp_weights": weights,
+            "position_ids": vu.get_vision_position_ids(grid, merge),
+            "cu_seqlens": cu,
+            "max_seqlen": int((cu[1:] - cu[:-1]).max()),
+        }
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         return merge_tiny(_TINY, overrides)
