@@ -59,7 +59,6 @@ class QwenVLSpec(ModelSpec):
     """
 
     position_rows = 4
-    host_keys = ("image_grid_thw", "video_grid_thw") if vision_utils() is not None else ()
     media_keys = (
         "pixel_values",
         "image_grid_thw",
@@ -111,9 +110,16 @@ class QwenVLSpec(ModelSpec):
         text = torch.arange(ids.shape[1], device=ids.device)[None]
         return torch.cat([text, rows.to(text.dtype)], 0)  # [4, L]
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # The grids stay on the host only for a family that derives its tower's inputs there (a
+        # tower handed a host grid without them would build its tensors on the host).
+        if "host_vision_inputs" in cls.__dict__ and vision_utils() is not None:
+            cls.host_keys = ("image_grid_thw", "video_grid_thw")
+
     def host_vision_inputs(self, tower: nn.Module, grid_thw: torch.Tensor) -> dict[str, Any]:
         """The tower's keyword arguments derived from a host ``grid_thw [n, 3]``, computed on the
-        host (the family's own list; default none)."""
+        host. A family that overrides this gets ``host_keys`` set (see ``__init_subclass__``)."""
         return {}
 
     @contextlib.contextmanager
