@@ -160,7 +160,7 @@ class StepProfiler:
         prof.export_chrome_trace(str(self.dir / f"trace_{tag}.json.gz"))
         cuda = self.device.type == "cuda"
         table = prof.key_averages().table(
-            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=60
+            sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=60
         )
         (self.dir / f"ops_{tag}.txt").write_text(table)
         summary = summarize_waits(prof.events())
