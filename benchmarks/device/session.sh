@@ -51,9 +51,13 @@ for s in $STAGES; do
     train8vl) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 240 --profile-steps 25 25 \
       --cases vl3b_16k vl3b_16k_muon vl3b_32k vl3b_32k_muon ;;
-    # plain transformers on the same VL records (10-11 s a step: few steps)
-    baselines) stage baselines 200 python3 benchmarks/train/bench_train.py --steps 4 --warmup 1 \
-      --records 1500 --case-timeout 95 --cases hf_sdpa hf_sdpa_liger ;;
+    # plain transformers on the same VL records (9-11 s a step: few steps). Plain sdpa runs out of
+    # memory with a whole 16k pack per batch (2026-12-03), so it accumulates 4k-token micro-batches
+    # (what bench_packed's baseline does); + Liger fits whole.
+    baselines) stage baselines 110 python3 benchmarks/train/bench_train.py --steps 4 --warmup 1 \
+      --records 1500 --case-timeout 100 --cases hf_sdpa --hf-micro-tokens 4096 --tag=-micro4k
+      stage baselines_liger 100 python3 benchmarks/train/bench_train.py --steps 4 --warmup 1 \
+      --records 1500 --case-timeout 95 --cases hf_sdpa_liger ;;
     train8text) stage train 260 python3 benchmarks/train/bench_train.py --compile --steps 20 \
       --warmup 4 --records 1500 --case-timeout 120 --cases text3b_16k text1p5b_16k ;;
     optimtests) stage optim_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -8,7 +8,8 @@ the run's own `metrics.jsonl` (steps after `--warmup`): tokens/s, total and LM-o
 989 TFLOP/s, peak memory, data-wait fraction and the forward/backward/optimizer split.
 
 The baseline is upstream transformers on the *same records* processed by the same processor:
-padded batches (each holding the samples that fill about one pack), sdpa attention, fp32 master
+padded batches (each holding the samples that fill about one pack; `--hf-micro-tokens` cuts them
+into micro-batches with gradient accumulation, as it would need to fit), sdpa attention, fp32 master
 weights with bf16 autocast, gradient checkpointing, fused AdamW; with and without Liger's own
 `apply_liger_kernel_to_qwen2_5_vl` (which includes its fused linear cross-entropy).
 
@@ -371,6 +372,45 @@ def _baseline_batches(work: Path, args, T: int, n_batches: int):
     return batches
 
 
+def _micro_batches(group: list[dict], max_tokens: int) -> list[list[dict]]:
+    """`group` in order, cut so that each part's padded size (rows x longest) stays within
+    `max_tokens` (0: one part; a sample longer than that is a part of its own)."""
+    if max_tokens <= 0:
+        return [group]
+    parts: list[list[dict]] = [[]]
+    for s in group:
+        rows, longest = len(parts[-1]) + 1, max([s["length"], *(x["length"] for x in parts[-1])])
+        if parts[-1] and rows * longest > max_tokens:
+            parts.append([])
+        parts[-1].append(s)
+    return parts
+
+
+def _padded_batch(group: list[dict], pad: int, dev: str) -> dict:
+    """Right-padded `input_ids`/`labels`/`attention_mask` rows and the group's images."""
+    import numpy as np
+    import torch
+
+    L = max(s["length"] for s in group)
+    ids = np.full((len(group), L), pad, dtype=np.int64)
+    lab = np.full((len(group), L), -100, dtype=np.int64)
+    mask = np.zeros((len(group), L), dtype=np.int64)
+    for r, s in enumerate(group):
+        n = s["length"]
+        ids[r, :n], lab[r, :n], mask[r, :n] = s["input_ids"], s["labels"], 1
+    return {
+        "input_ids": torch.from_numpy(ids).to(dev),
+        "labels": torch.from_numpy(lab).to(dev),
+        "attention_mask": torch.from_numpy(mask).to(dev),
+        "pixel_values": torch.from_numpy(np.concatenate([s["pixel_values"] for s in group])).to(
+            dev
+        ),
+        "image_grid_thw": torch.from_numpy(np.concatenate([s["image_grid_thw"] for s in group])).to(
+            dev
+        ),
+    }
+
+
 def run_baseline(name: str, case: dict, work: Path, args) -> dict:
     import numpy as np
     import torch
@@ -406,29 +446,19 @@ def run_baseline(name: str, case: dict, work: Path, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     try:
         for i, group in enumerate(batches):
-            L = max(s["length"] for s in group)
-            ids = np.full((len(group), L), pad, dtype=np.int64)
-            lab = np.full((len(group), L), -100, dtype=np.int64)
-            mask = np.zeros((len(group), L), dtype=np.int64)
-            for r, s in enumerate(group):
-                n = s["length"]
-                ids[r, :n], lab[r, :n], mask[r, :n] = s["input_ids"], s["labels"], 1
             grid = np.concatenate([s["image_grid_thw"] for s in group])
-            batch = {
-                "input_ids": torch.from_numpy(ids).to(dev),
-                "labels": torch.from_numpy(lab).to(dev),
-                "attention_mask": torch.from_numpy(mask).to(dev),
-                "pixel_values": torch.from_numpy(
-                    np.concatenate([s["pixel_values"] for s in group])
-                ).to(dev),
-                "image_grid_thw": torch.from_numpy(grid).to(dev),
-            }
+            micro = _micro_batches(group, args.hf_micro_tokens)
+            # tokens the model's loss averages over: labels after its shift (the first is unused)
+            n_labels = sum(int((np.asarray(s["labels"])[1:] != -100).sum()) for s in group)
             if dev == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                loss = model(**batch).loss
-            loss.backward()
+            for part in micro:  # gradient accumulation: the step's loss is the group's mean
+                batch = _padded_batch(part, pad, dev)
+                share = int((batch["labels"][:, 1:] != -100).sum()) / max(n_labels, 1)
+                with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+                    loss = model(**batch).loss * share
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if dev == "cuda":
@@ -453,6 +483,7 @@ def run_baseline(name: str, case: dict, work: Path, args) -> dict:
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else 0.0,
         "step_s": round(dt / len(times), 3),
         "batch_rows": round(sum(len(g) for g in batches) / len(batches), 1),
+        "micro_tokens": args.hf_micro_tokens,
     }
 
 
@@ -495,6 +526,13 @@ def main() -> None:
         metavar=("FIRST", "LAST"),
         help="trainer_args.profile_steps: profile these steps (left out of the timed ones); rows "
         "get the host waits (count, ms, top call sites) from the run's profile/syncs_rank0.json",
+    )
+    p.add_argument(
+        "--hf-micro-tokens",
+        type=int,
+        default=0,
+        help="plain-transformers baselines: cut each step's padded batch into micro-batches of at "
+        "most this many padded tokens (gradient accumulation; 0: one batch per step)",
     )
     p.add_argument(
         "--tag",
