@@ -20,8 +20,11 @@ for s in $STAGES; do
     quicktests) stage gpu_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/lmms-optim/tests/test_triton_gpu.py packages/lmms-kernels/tests/test_aligned_swiglu.py \
       packages/lmms-kernels/tests/test_liger.py apps/trainer/tests/test_step.py ;;
-    kerneltests) stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
-      packages/lmms-kernels/tests apps/trainer/tests/test_step.py \
+    # GPU tests of kernels, models (packed vs upstream, the VL tower without host syncs) and the
+    # trainer (its step's host waits under the profiler), compile tests apart
+    kerneltests) stage gpu_tests 210 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-kernels/tests packages/lmms-models/tests/test_gpu_packed.py \
+      apps/trainer/tests/test_step.py tests/test_one_process_fsdp.py \
       --ignore packages/lmms-kernels/tests/test_compile_gpu.py ;;
     compiletest) stage compile_tests 80 python3 -m pytest -q -p no:cacheprovider -m gpu -x \
       packages/lmms-kernels/tests/test_compile_gpu.py ;;
