@@ -79,7 +79,7 @@ def test_qwen2_5_vl_tower_runs_without_host_sync_from_host_grids():
     ]
     samples = [make_sample(spec, model.config, s, gen=gen) for s in specs]
     batch = pack_samples(spec, model, samples)  # on the host, as the trainer leaves the grids
-    media = spec.media_inputs(batch, torch.device("cuda"), model=model)
+    media = spec.media_inputs(batch, torch.device("cuda"))
     host_kwargs = {"pixel_values": media["pixel_values"], "image_grid_thw": media["image_grid_thw"]}
     assert host_kwargs["image_grid_thw"].device.type == "cpu"
     base = spec.base_model(model)

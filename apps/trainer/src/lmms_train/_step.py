@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from lmms_models import to_device
+
 __all__ = [
     "PendingScalars",
     "PhaseTimer",
@@ -91,18 +93,13 @@ def batch_stats(
 def move_batch(
     batch: dict[str, Any], device: torch.device, host_keys: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """Tensors to `device` (pinned + non_blocking on CUDA); other entries and the `host_keys`
-    (metadata the model spec reads on the host, `ModelSpec.host_keys`) unchanged."""
-    out = {}
-    for k, v in batch.items():
-        if isinstance(v, torch.Tensor) and v.device != device and k not in host_keys:
-            if device.type == "cuda":
-                v = v.pin_memory() if not v.is_pinned() else v
-                v = v.to(device, non_blocking=True)
-            else:
-                v = v.to(device)
-        out[k] = v
-    return out
+    """Tensors to `device` (`lmms_models.to_device`: pinned + non_blocking on CUDA); other entries
+    and the `host_keys` (metadata the model spec reads on the host, `ModelSpec.host_keys`)
+    unchanged."""
+    return {
+        k: to_device(v, device) if isinstance(v, torch.Tensor) and k not in host_keys else v
+        for k, v in batch.items()
+    }
 
 
 def run_micro_batches(

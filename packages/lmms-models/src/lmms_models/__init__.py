@@ -9,7 +9,7 @@ sequence parallel. Adding a family is one folder under ``families/`` (docs/addin
 from ._attention import UPSTREAM_BACKENDS, set_attention, text_attention_kwargs
 from ._flops import attention_flops
 from ._registry import MODEL_REGISTRY, get_model_spec, list_models, register_model
-from ._spec import IGNORE_INDEX, ModelSpec, shift_labels_packed
+from ._spec import IGNORE_INDEX, ModelSpec, shift_labels_packed, to_device
 from ._vl import TINY_TOKEN_IDS, QwenVLSpec
 
 __all__ = [
@@ -26,4 +26,5 @@ __all__ = [
     "set_attention",
     "shift_labels_packed",
     "text_attention_kwargs",
+    "to_device",
 ]

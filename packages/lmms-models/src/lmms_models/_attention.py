@@ -84,6 +84,17 @@ def set_attention(
 
 
 @contextmanager
+def forward_pre_hook(module: nn.Module, hook: Any) -> Iterator[None]:
+    """While active, ``hook(module, args, kwargs) -> (args, kwargs)`` runs before every call of
+    ``module`` (a keyword-aware forward pre-hook, removed on exit)."""
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextmanager
 def text_attention_kwargs(module: nn.Module, **kwargs: Any) -> Iterator[None]:
     """While active, every call of ``module`` (the text decoder) also receives ``kwargs``.
 
@@ -95,8 +106,5 @@ def text_attention_kwargs(module: nn.Module, **kwargs: Any) -> Iterator[None]:
     def hook(_mod: nn.Module, args: tuple, kw: dict) -> tuple[tuple, dict]:
         return args, {**kw, **kwargs}
 
-    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
+    with forward_pre_hook(module, hook):
         yield
-    finally:
-        handle.remove()

@@ -67,7 +67,7 @@ class ModelSpec:
       device synchronisation per forward, for a mask that varlen attention never uses.
     * ``host_keys``: batch entries the forward wants on the host (a caller that moves batches to
       the device leaves them there): small metadata such as ``image_grid_thw`` from which the
-      family derives its vision inputs without a device synchronisation (:meth:`media_inputs`).
+      family derives its vision inputs without a device synchronisation (:meth:`media_context`).
     * ``presets``: real-size configs (dicts) by name, e.g. ``"3b"``; random weights for benchmarks.
     """
 
@@ -208,7 +208,7 @@ class ModelSpec:
             "attention_mask": dict(_NO_MASKS) if self.mask_mapping else None,
             "use_cache": False,
         }
-        inputs.update(self.media_inputs(batch, dev, model=model))
+        inputs.update(self.media_inputs(batch, dev))
         inputs.update(self.extra_loss_inputs(model))
         flash_kwargs = {
             "cu_seq_lens_q": cu,
@@ -272,13 +272,9 @@ class ModelSpec:
             )
         return pos.unsqueeze(1)  # [R, 1, T]
 
-    def media_inputs(
-        self, batch: dict[str, Any], device: torch.device, *, model: nn.Module | None = None
-    ) -> dict[str, Any]:
+    def media_inputs(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
         """Media entries of the batch for the model call (only those present), on ``device``
-        except the ``host_keys``, which stay where they are.
-
-        ``model``: the model being called, for families that derive extra inputs from it."""
+        except the ``host_keys``, which stay where they are."""
         out: dict[str, Any] = {}
         for key in self.media_keys:
             value = batch.get(key)
@@ -291,8 +287,8 @@ class ModelSpec:
 
     def media_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context the packed forward runs the model in (default: none). Families whose
-        ``host_keys`` stay on the host derive the inputs that need them here (Qwen2.5-VL: a hook
-        on the vision tower)."""
+        ``host_keys`` stay on the host derive the inputs that need them here (Qwen-VL: a hook on
+        the vision tower, :class:`lmms_models.QwenVLSpec`)."""
         return contextlib.nullcontext()
 
     def sample_position_ids(

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._attention import forward_pre_hook
 from ._spec import ModelSpec, to_device
 
 __all__ = ["TINY_TOKEN_IDS", "QwenVLSpec", "vision_utils"]
@@ -143,8 +144,5 @@ class QwenVLSpec(ModelSpec):
             }
             return args, {**extra, **kwargs}
 
-        handle = tower.register_forward_pre_hook(hook, with_kwargs=True)
-        try:
+        with forward_pre_hook(tower, hook):
             yield
-        finally:
-            handle.remove()
