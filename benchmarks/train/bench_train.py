@@ -233,6 +233,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "report_to": [],
             "profile_step_breakdown": True,
             "compile": args.compile,
+            "loss_backend": args.loss_backend,
             "profile_steps": args.profile_steps or [],
             "seed": 0,
         },
@@ -317,6 +318,7 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         "step_s_each": [round(r["step_time"], 3) for r in rows],
         "layout": " ".join(f"{k}={v}" for k, v in ac_layout(case, args).items()),
         "compile": args.compile,
+        "loss_backend": args.loss_backend,
     }
     syncs = work / "runs" / name / "profile" / "syncs_rank0.json"
     if args.profile_steps and syncs.exists():  # where the host waited for the device
@@ -328,6 +330,11 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         out["host_wait_sites"] = [
             f"{s['count']}x {s['name']} under {s['op'] or '-'} at {(s['site'] or ['?'])[0]}"
             for s in summary["sites"][:8]
+        ]
+        # CUDA's sync debug mode during the window: the Python lines that synchronised
+        out["sync_sites"] = [
+            f"{s['count']}x at {' <- '.join(s['site'][:3]) or '?'}"
+            for s in summary.get("debug_sites", [])[:8]
         ]
     for part in ("forward", "backward", "optimizer"):
         key = f"time/{part}"
@@ -519,6 +526,11 @@ def main() -> None:
         help="trainer_args.reshard_after_forward: false (gathered weights kept until backward)",
     )
     p.add_argument("--compile", action="store_true", help="trainer_args.compile: blocks compiled")
+    p.add_argument(
+        "--loss-backend",
+        default="auto",
+        help="trainer_args.loss_backend: the fused linear cross-entropy (auto, liger, triton, torch)",
+    )
     p.add_argument(
         "--profile-steps",
         type=int,

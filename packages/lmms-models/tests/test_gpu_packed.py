@@ -71,7 +71,9 @@ def test_qwen2_5_vl_tower_runs_without_host_sync_from_host_grids():
     if not backends:
         pytest.skip("no sync-free varlen backend (fa4, fa or torch) available")
     torch.manual_seed(0)
-    model = spec.build(config=spec.tiny_config(), device="cuda", attn_backend=backends[0])
+    model = spec.build(  # bf16: FA4 takes 16-bit inputs only
+        config=spec.tiny_config(), device="cuda", dtype=torch.bfloat16, attn_backend=backends[0]
+    )
     gen = torch.Generator().manual_seed(0)
     specs = [
         SampleSpec(text=9, images=[(1, 4, 4), (1, 2, 6)]),
@@ -80,7 +82,8 @@ def test_qwen2_5_vl_tower_runs_without_host_sync_from_host_grids():
     samples = [make_sample(spec, model.config, s, gen=gen) for s in specs]
     batch = pack_samples(spec, model, samples)  # on the host, as the trainer leaves the grids
     media = spec.media_inputs(batch, torch.device("cuda"))
-    host_kwargs = {"pixel_values": media["pixel_values"], "image_grid_thw": media["image_grid_thw"]}
+    pixels = media["pixel_values"].to(torch.bfloat16)
+    host_kwargs = {"pixel_values": pixels, "image_grid_thw": media["image_grid_thw"]}
     assert host_kwargs["image_grid_thw"].device.type == "cpu"
     base = spec.base_model(model)
     torch.cuda.synchronize()

@@ -186,3 +186,53 @@ def test_mask_mapping_skips_packed_sequence_detection(name, monkeypatch):
     samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)[:3]]
     spec.packed_forward(model, pack_samples(spec, model, samples))
     assert bool(calls) != spec.mask_mapping, (name, len(calls))
+
+
+@pytest.mark.parametrize("name", VL_FAMILIES)
+def test_media_merged_at_host_positions(name, monkeypatch):
+    """`host_merge` families place the media features with positions read on the host (no
+    `masked_scatter`: its count check and its backward's `masked_select` read the device);
+    loss and gradients are bit-identical to the upstream merge, and a placeholder count that
+    does not match the features is refused on the host."""
+    from torch.overrides import TorchFunctionMode
+
+    class Spy(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
+    gen = torch.Generator().manual_seed(1)
+    samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)]
+    batch = pack_samples(spec, model, samples)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with Spy() as spy:
+            loss, _ = spec.packed_forward(model, batch)
+            loss.backward()
+        return loss.detach(), _grads(model), spy.names
+
+    loss, grads, names = step()
+    assert ("masked_scatter" in names) != spec.host_merge, name
+    if not spec.host_merge:
+        return
+    assert "index_copy" in names
+    monkeypatch.setattr(spec, "host_merge", False)  # upstream's masked_scatter merge
+    ref_loss, ref_grads, ref_names = step()
+    assert "masked_scatter" in ref_names
+    assert torch.equal(loss, ref_loss)
+    for k in ref_grads:
+        assert torch.equal(grads[k], ref_grads[k]), k
+    monkeypatch.setattr(spec, "host_merge", True)
+    bad = dict(batch, mm_token_type_ids=batch["mm_token_type_ids"].clone())
+    first = int((bad["mm_token_type_ids"].reshape(-1) == 1).nonzero()[0])
+    bad["mm_token_type_ids"].reshape(-1)[first] = 0
+    with pytest.raises(ValueError, match="image features and image placeholder tokens"):
+        spec.packed_forward(model, bad)

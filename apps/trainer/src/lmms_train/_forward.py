@@ -41,8 +41,11 @@ def call_through_root(model: nn.Module, fn: Callable[[], Any]) -> Any:
         del model.forward
 
 
-def make_forward(spec: Any, model: nn.Module, env: DistEnv) -> Forward:
-    """The forward for this run's layout (plain, FSDP, SP)."""
+def make_forward(
+    spec: Any, model: nn.Module, env: DistEnv, *, loss_backend: str = "auto"
+) -> Forward:
+    """The forward for this run's layout (plain, FSDP, SP); `loss_backend`: the fused linear
+    cross-entropy's (`lmms_kernels.fused_linear_cross_entropy`)."""
     group = None
     tower = spec.vision_tower(model) if env.distributed else None
     if tower is not None:  # before SequenceParallel on the same module (lmms_parallel's order)
@@ -61,9 +64,7 @@ def make_forward(spec: Any, model: nn.Module, env: DistEnv) -> Forward:
     # No explicit ensure_vision_participation here: the hook above runs the dummy where the
     # peers run the tower; a call before the forward would put its all-gathers first.
     def packed(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        if group is None:
-            return spec.packed_forward(model, batch)
-        return spec.packed_forward(model, batch, sp_group=group)
+        return spec.packed_forward(model, batch, sp_group=group, loss_backend=loss_backend)
 
     def forward(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return call_through_root(model, lambda: packed(model, batch))

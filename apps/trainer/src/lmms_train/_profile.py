@@ -20,8 +20,13 @@ Waits counted (CUDA runtime calls; on CPU-only runs there are none):
   that copy had finished (near zero) or the host really waited.
 
 Each wait's site is the aten op it ran under (e.g. `aten::_local_scalar_dense` for `.item()`)
-and the innermost Python frames of the call (`with_stack`), so it points at the line that caused
-it.
+and the innermost Python frames the profiler attached to it (`with_stack`). On the GPU the
+profiler often attaches none (torch 2.11 on the H200 gave empty sites), so on CUDA the window
+also runs under CUDA's sync debug mode ("warn"): every synchronising call torch knows of
+(`.item()`, `.tolist()`, `bool()` of a device tensor, `nonzero`, blocking copies, ...) reports
+the Python stack that made it, collected in the summary's `debug_sites` (innermost frames
+first, torch's own frames dropped). A sync inside backward reports the `backward()` call.
+The profiler's own synchronisation when the window closes is not counted.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ from __future__ import annotations
 import json
 import re
 import sys
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["StepProfiler", "format_summary", "summarize_waits"]
+__all__ = ["StepProfiler", "SyncLog", "format_summary", "summarize_waits"]
 
 WAIT_KINDS = {
     "cudaStreamSynchronize": "sync",
@@ -77,17 +85,24 @@ def _stack(ev: Any) -> list[str]:
     return frames
 
 
+_CLOSE_MARK = "lmms::profile_close"  # the window's end: waits from here on are the profiler's
+
+
 def summarize_waits(events: Any, kinds: dict[str, str] | None = None) -> dict[str, Any]:
     """Counts and host time (ms) of the waits in profiler `events`, by kind and by call site.
-    `kinds`: event name -> kind (default `WAIT_KINDS`)."""
+    `kinds`: event name -> kind (default `WAIT_KINDS`). Waits that start at or after a
+    `lmms::profile_close` range (the profiler's own closing synchronisation) are left out."""
     kinds = WAIT_KINDS if kinds is None else kinds
+    events = list(events)
+    marks = [ev.time_range.start for ev in events if ev.name == _CLOSE_MARK]
+    end = min(marks) if marks else None
     totals: dict[str, dict[str, float]] = {
         kind: {"count": 0, "ms": 0.0} for kind in sorted(set(kinds.values()))
     }
     sites: dict[tuple, dict[str, Any]] = {}
     for ev in events:
         kind = kinds.get(ev.name)
-        if kind is None:
+        if kind is None or (end is not None and ev.time_range.start >= end):
             continue
         ms = ev.cpu_time_total / 1e3
         totals[kind]["count"] += 1
@@ -109,6 +124,48 @@ def summarize_waits(events: Any, kinds: dict[str, str] | None = None) -> dict[st
     return {"totals": totals, "sites": ranked}
 
 
+class SyncLog:
+    """While active: CUDA's sync debug mode "warn" (when a GPU is present), and each
+    synchronisation warning's Python stack counted by site instead of printed. Other warnings
+    pass through unchanged."""
+
+    def __init__(self) -> None:
+        self.sites: Counter[tuple[str, ...]] = Counter()
+        self._mode: int | None = None
+        self._catch: Any = None
+
+    def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            self._shown(message, category, filename, lineno, file, line)
+            return
+        stack = traceback.extract_stack()[:-1]  # innermost last; drop this method
+        frames = [
+            f"{'/'.join(Path(f.filename).parts[-2:])}({f.lineno}): {f.name}"
+            for f in reversed(stack)
+            if Path(f.filename).name != "warnings.py"  # the warnings machinery calling in
+        ]
+        self.sites[tuple(_site(frames))] += 1
+
+    def __enter__(self) -> SyncLog:
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.filterwarnings("always", message=".*synchroniz")
+        self._shown = warnings.showwarning
+        warnings.showwarning = self._show
+        if torch.cuda.is_available():  # without a device only explicit warnings are logged
+            self._mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._mode is not None:
+            torch.cuda.set_sync_debug_mode(self._mode)
+        self._catch.__exit__(*exc)  # restores showwarning and the filters
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [{"count": n, "site": list(site)} for site, n in self.sites.most_common()]
+
+
 class StepProfiler:
     """Starts torch.profiler before step `first`, stops it before step `last + 1` (or at `close`),
     then writes the trace, the operator table and the wait summary under `out_dir/profile`."""
@@ -127,6 +184,7 @@ class StepProfiler:
         self.device, self.rank, self.announce = device, rank, announce
         self.summary: dict[str, Any] | None = None
         self._prof: Any = None
+        self._syncs: SyncLog | None = None
 
     @property
     def enabled(self) -> bool:
@@ -144,6 +202,7 @@ class StepProfiler:
                 acts.append(ProfilerActivity.CUDA)
             self._prof = profile(activities=acts, record_shapes=False, with_stack=True)
             self._prof.__enter__()
+            self._syncs = SyncLog().__enter__() if self.device.type == "cuda" else None
         elif step == self.last + 1:
             self.close()
 
@@ -152,8 +211,12 @@ class StepProfiler:
         if self._prof is None:
             return
         prof, self._prof = self._prof, None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the window's kernels, all in the trace
+        syncs, self._syncs = self._syncs, None
+        if syncs is not None:
+            syncs.__exit__(None, None, None)
+        with torch.profiler.record_function(_CLOSE_MARK):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the window's kernels, all in the trace
         prof.__exit__(None, None, None)
         self.dir.mkdir(parents=True, exist_ok=True)
         tag = f"rank{self.rank}"
@@ -165,6 +228,7 @@ class StepProfiler:
         (self.dir / f"ops_{tag}.txt").write_text(table)
         summary = summarize_waits(prof.events())
         summary["steps"] = [self.first, self.last]
+        summary["debug_sites"] = syncs.summary() if syncs is not None else []
         (self.dir / f"syncs_{tag}.json").write_text(json.dumps(summary, indent=1))
         self.summary = summary
         if self.announce:
@@ -176,4 +240,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     t = summary["totals"]
     parts = [f"{k} {int(v['count'])} ({v['ms']:.1f} ms)" for k, v in t.items()]
     first, last = summary["steps"]
-    return f"profile of steps {first}-{last}: host waits: " + ", ".join(parts)
+    line = f"profile of steps {first}-{last}: host waits: " + ", ".join(parts)
+    for s in summary.get("debug_sites", [])[:6]:
+        line += f"\n  sync x{s['count']} at {' <- '.join(s['site'][:3]) or '?'}"
+    return line

@@ -121,7 +121,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         spec=spec,
         model=built.model,
         hf_config=built.hf_config,
-        forward=make_forward(spec, built.model, env),
+        forward=make_forward(spec, built.model, env, loss_backend=cfg.trainer_args.loss_backend),
         optimizer=optimizer,
         scheduler=scheduler,
         data=data,

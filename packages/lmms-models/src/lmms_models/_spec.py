@@ -67,7 +67,8 @@ class ModelSpec:
       device synchronisation per forward, for a mask that varlen attention never uses.
     * ``host_keys``: batch entries the forward wants on the host (a caller that moves batches to
       the device leaves them there): small metadata such as ``image_grid_thw`` from which the
-      family derives its vision inputs without a device synchronisation (:meth:`media_context`).
+      family derives its vision inputs without a device synchronisation (:meth:`media_context`),
+      or ``mm_token_type_ids`` from which it places the media features (:meth:`merge_media`).
     * ``presets``: real-size configs (dicts) by name, e.g. ``"3b"``; random weights for benchmarks.
     """
 
@@ -171,7 +172,12 @@ class ModelSpec:
 
     # ---------------------------------------------------------------- packed forward
     def packed_forward(
-        self, model: nn.Module, batch: dict[str, Any], *, sp_group: Any = None
+        self,
+        model: nn.Module,
+        batch: dict[str, Any],
+        *,
+        sp_group: Any = None,
+        loss_backend: str = "auto",
     ) -> tuple[torch.Tensor, ...]:
         """Forward one packed row; return ``(loss_sum fp32 scalar, n_loss_tokens int64 scalar)``.
 
@@ -179,7 +185,8 @@ class ModelSpec:
         ``use_cache=False``, the pack's position ids and media tensors; the pack's ``cu_seqlens``
         reach the text decoder's attention as transformers' flash keyword arguments. The loss is
         ``lmms_kernels.fused_linear_cross_entropy`` on the last hidden state and the LM head weight,
-        so ``[T, vocab]`` logits never exist. Divide by the global token count outside.
+        so ``[T, vocab]`` logits never exist (``loss_backend``: its ``backend``). Divide by the
+        global token count outside.
 
         ``sp_group``: Ulysses sequence parallel. The caller has installed lmms_parallel's
         ``SequenceParallel`` hook on ``sp_slice_module`` (so the decoder sees this rank's slice of
@@ -220,18 +227,22 @@ class ModelSpec:
             text_attention_kwargs(self.sp_slice_module(model), **flash_kwargs),
             self.media_context(model),
         ):
-            out = self.base_model(model)(**inputs)
+            out = self.base_model(model)(**self.merge_media(model, inputs))
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # [T(/sp), H]
         if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
             hidden = hidden.to(torch.get_autocast_dtype("cuda"))  # upstream norms return fp32
         extra = self.extra_loss(model, out, batch, sp_group=sp_group)  # per-token term or None
         if sp_group is None:
-            loss_sum, n = fused_linear_cross_entropy(hidden, head.weight, shift, bias=head.bias)
+            loss_sum, n = fused_linear_cross_entropy(
+                hidden, head.weight, shift, bias=head.bias, backend=loss_backend
+            )
             return (loss_sum, n) if extra is None else (loss_sum + extra * n, n)
         from lmms_parallel import sp_reduce_loss, sp_shard_labels
 
         local = sp_shard_labels(shift, sp_group)  # [T_pad/sp], this rank's slice
-        loss_sum, n = fused_linear_cross_entropy(hidden, head.weight, local, bias=head.bias)
+        loss_sum, n = fused_linear_cross_entropy(
+            hidden, head.weight, local, bias=head.bias, backend=loss_backend
+        )
         if extra is not None:
             loss_sum = loss_sum + extra * n
         return sp_reduce_loss(loss_sum, n, sp_group)
@@ -284,6 +295,12 @@ class ModelSpec:
                 value = to_device(value, device)
             out[key] = value.reshape(1, -1) if key == "mm_token_type_ids" else value
         return out
+
+    def merge_media(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The base model call's keyword arguments, possibly with the media already merged into
+        ``inputs_embeds`` (default: unchanged; Qwen2.5-VL merges with host-known placeholder
+        positions, :class:`lmms_models.QwenVLSpec`). Runs inside :meth:`media_context`."""
+        return inputs
 
     def media_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """A context the packed forward runs the model in (default: none). Families whose

@@ -60,6 +60,12 @@ class QwenVLSpec(ModelSpec):
     """
 
     position_rows = 4
+    #: Merge image/video features into the text embeddings at placeholder positions read on the
+    #: host from ``mm_token_type_ids`` (:meth:`merge_media`) instead of upstream's
+    #: ``masked_scatter``, whose count check and backward read the device. Families whose
+    #: decoders need more than ``inputs_embeds`` from the merge (Qwen3-VL's deepstack masks) keep
+    #: the upstream path.
+    host_merge: bool = False
     media_keys = (
         "pixel_values",
         "image_grid_thw",
@@ -117,11 +123,55 @@ class QwenVLSpec(ModelSpec):
         # tower handed a host grid without them would build its tensors on the host).
         if "host_vision_inputs" in cls.__dict__ and vision_utils() is not None:
             cls.host_keys = ("image_grid_thw", "video_grid_thw")
+            if cls.host_merge:
+                cls.host_keys += ("mm_token_type_ids",)
 
     def host_vision_inputs(self, tower: nn.Module, grid_thw: torch.Tensor) -> dict[str, Any]:
         """The tower's keyword arguments derived from a host ``grid_thw [n, 3]``, computed on the
         host. A family that overrides this gets ``host_keys`` set (see ``__init_subclass__``)."""
         return {}
+
+    def merge_media(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """With ``host_merge`` and a host ``mm_token_type_ids``: run the vision tower, place its
+        features at the placeholder positions with ``index_copy`` and return the call's keyword
+        arguments with ``inputs_embeds`` instead of ``input_ids`` and the media.
+
+        Same embeddings as upstream's ``masked_scatter`` path, without its host reads: upstream
+        checks the placeholder count against the features on the device (and formats the count
+        into its message) and its backward selects the features' gradient with ``masked_select``
+        (a data-dependent size). Here the positions come from the host, are copied without
+        waiting, and the backward is an ``index_select``. The count check stays, on the host.
+        """
+        types = inputs.get("mm_token_type_ids")
+        has_media = any(inputs.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
+        if not (self.host_merge and has_media and types is not None and types.device.type == "cpu"):
+            return inputs
+        base = self.base_model(model)
+        input_ids = inputs["input_ids"]
+        embeds = base.get_input_embeddings()(input_ids)  # [1, T, H]
+        types = types.reshape(-1)
+        media = (
+            ("image", 1, "pixel_values", "image_grid_thw", base.get_image_features),
+            ("video", 2, "pixel_values_videos", "video_grid_thw", base.get_video_features),
+        )
+        for kind, type_id, pixels, grid, features in media:
+            if inputs.get(pixels) is None:
+                continue
+            out = features(inputs[pixels], inputs[grid], return_dict=True)
+            feats = torch.cat(list(out.pooler_output), dim=0).to(embeds.dtype)  # [N, H]
+            where = (types == type_id).nonzero().squeeze(1)  # host
+            if where.numel() != feats.shape[0]:
+                raise ValueError(
+                    f"{kind} features and {kind} placeholder tokens do not match: "
+                    f"{where.numel()} tokens, {feats.shape[0]} features"
+                )
+            embeds = embeds.index_copy(1, to_device(where, embeds.device), feats[None])
+        merged = ("input_ids", "mm_token_type_ids", "pixel_values", "pixel_values_videos",
+                  "image_grid_thw", "video_grid_thw", "second_per_grid_ts")  # fmt: skip
+        return {
+            **{k: v for k, v in inputs.items() if k not in merged},
+            "inputs_embeds": embeds,
+        }
 
     @contextlib.contextmanager
     def media_context(self, model: nn.Module) -> Iterator[None]:

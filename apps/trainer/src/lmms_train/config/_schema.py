@@ -217,6 +217,12 @@ class TrainerArgs:
         "Padding-free attention over packed rows (varlen, honours `cu_seqlens`); needed by packing.",
     )
     use_liger_kernel: bool = _f(False, "Swap in Liger's fused kernels (GPU).")
+    loss_backend: str = _f(
+        "auto",
+        "Fused linear cross-entropy of `lmms_kernels` (`auto`: Liger on CUDA when installed, "
+        "else `torch`; or `liger`, `torch`, or any other backend `lmms_kernels` offers). Liger "
+        "reads the device three times per step (a host synchronisation each); `torch` never does.",
+    )
     attn_backend: str = _f(
         "auto",
         "Varlen attention backend of `lmms_kernels` (`auto`, `fa4`, `fa`, `torch`, `flex`, `sdpa`).",

@@ -127,6 +127,7 @@ class Qwen2_5_VLSpec(QwenVLSpec):
     config_class = "Qwen2_5_VLConfig"
     model_class = "Qwen2_5_VLForConditionalGeneration"
     mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch
+    host_merge = True
     presets = {"3b": QWEN2_5_VL_3B}  # noqa: RUF012
 
     def host_vision_inputs(self, tower: Any, grid_thw: torch.Tensor) -> dict[str, Any]:
