@@ -214,7 +214,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "packing_strategy": "first_fit",
             "packing_length": T,
             "max_open_bins": 16,
-            "num_workers": 0 if args.tiny else 6,
+            "num_workers": 0 if args.tiny else 10,
             "min_pixels": 56 * 56 if args.tiny else 224 * 224,
             "max_pixels": 84 * 84 if args.tiny else 672 * 672,
         },
