@@ -68,6 +68,18 @@ for s in $STAGES; do
     calibvl) stage calib_vl 200 python3 .calib/qwen2_5_vl.py 16384 ;;
     calib) stage calib_vl 200 python3 .calib/qwen2_5_vl.py 16384
       stage calib_text 150 python3 .calib/text_decoder.py fa4 16384 ac ;;
+    # the sync-free step on the GPU: the VL tower from host grids, a profiled tiny VL trainer step
+    # with a sync-free loss and with Liger's, the Triton linear CE against the torch one
+    synctests) stage gpu_tests 130 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-models/tests/test_gpu_packed.py::test_qwen2_5_vl_tower_runs_without_host_sync_from_host_grids \
+      tests/test_one_process_fsdp.py::test_steady_state_step_never_waits_for_the_device \
+      packages/lmms-kernels/tests/test_flce_triton.py ;;
+    flce) stage bench_flce 70 python3 benchmarks/kernels/bench_flce.py --tokens 16384 --iters 5 ;;
+    rope) stage bench_rope 140 python3 benchmarks/models/bench_rope.py --tokens 16384 --layers 4 ;;
+    # text 3B with a sync-free loss (LOSS=triton|torch), its step profiled for waits and operators
+    text8sync) stage train 130 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 125 --profile-steps 25 25 \
+      --loss-backend ${LOSS:-triton} --tag=-${LOSS:-triton} --cases text3b_16k ;;
     *) echo "unknown stage $s" ;;
   esac
 done
