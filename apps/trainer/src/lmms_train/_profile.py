@@ -25,7 +25,8 @@ profiler often attaches none (torch 2.11 on the H200 gave empty sites), so on CU
 also runs under CUDA's sync debug mode ("warn"): every synchronising call torch knows of
 (`.item()`, `.tolist()`, `bool()` of a device tensor, `nonzero`, blocking copies, ...) reports
 the Python stack that made it, collected in the summary's `debug_sites` (innermost frames
-first, torch's own frames dropped). A sync inside backward reports the `backward()` call.
+first, torch's own frames dropped). A sync inside backward reports the `backward()` call,
+marked `[backward]`.
 The profiler's own synchronisation when the window closes is not counted.
 """
 
@@ -144,7 +145,11 @@ class SyncLog:
             for f in reversed(stack)
             if Path(f.filename).name != "warnings.py"  # the warnings machinery calling in
         ]
-        self.sites[tuple(_site(frames))] += 1
+        # autograd replays its threads' warnings when `backward()` returns: say so, since the
+        # Python lines are then the caller's, not the op's
+        in_backward = any(f.name == "backward" and "torch" in f.filename for f in stack)
+        site = _site(frames)
+        self.sites[tuple(["[backward]", *site] if in_backward else site)] += 1
 
     def __enter__(self) -> SyncLog:
         self._catch = warnings.catch_warnings()
