@@ -2,13 +2,16 @@
 
 Baseline (same run): ``F.cross_entropy((h @ W.T).float(), y, reduction="sum")`` which
 materialises the ``[T, V]`` logits (bf16) and their fp32 copy. Compared: lmms' chunked torch
-implementation (``backend="torch"``) and Liger's kernel (``backend="liger"``, when installed).
+implementation (``backend="torch"``), lmms' chunked cuBLAS + Triton kernel (``backend="triton"``;
+on CPU only under TRITON_INTERPRET=1, where its time means nothing) and Liger's kernel
+(``backend="liger"``, when installed).
 Peak memory is measured above the inputs (hidden, weight, labels already allocated); 15% of
 labels are ignored (-100), like prompt tokens. Shapes default to Qwen2.5-3B (Hd 2048,
 V 151936).
 
 GPU:  python3 benchmarks/kernels/bench_flce.py
 CPU:  python benchmarks/kernels/bench_flce.py --tokens 256 --hidden 64 --vocab 4096 --iters 2
+      (prefix TRITON_INTERPRET=1 to include the triton backend, interpreted)
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import functools
 import gc
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -93,6 +97,12 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(args.seed)
     impls = {"naive": naive, "lmms-torch": None}
+    if importlib.util.find_spec("triton") is None:
+        print("triton not installed: skipping lmms-triton", file=sys.stderr)
+    elif device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        impls["lmms-triton"] = None
+    else:
+        print("no CUDA and TRITON_INTERPRET unset: skipping lmms-triton", file=sys.stderr)
     if device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None:
         impls["lmms-liger"] = None
     else:

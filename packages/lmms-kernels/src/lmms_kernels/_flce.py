@@ -1,13 +1,24 @@
 """Fused linear + cross-entropy: ``sum CE(hidden @ W.T + b, labels)`` without ``[T, V]`` logits.
 
-Two implementations with the same result:
+Three implementations with the same result:
 
-- ``"liger"``: Liger-Kernel's Triton kernel (CUDA, ``pip install lmms-kernels[liger]``).
-- ``"torch"``: chunks of tokens in plain torch, any device. Each chunk materialises
-  ``[chunk, V]`` fp32 logits only, sized by ``memory_budget_bytes``.
+- ``"liger"``: Liger-Kernel's Triton kernel (CUDA, ``pip install lmms-kernels[liger]``). The
+  default on CUDA for now. It reads device values on the host three times per call (a
+  ``.item()`` in forward, a ``torch.equal`` against a fresh device scalar in backward), works in
+  256-token chunks and accumulates the weight gradient in bf16 (~63-67 ms fwd+bwd at T=16k,
+  Hd=2048, V=151936 on an H200 for ~45 ms of GEMMs).
+- ``"triton"`` (``_flce_triton``): chunked cuBLAS matmuls in the compute dtype plus one Triton
+  kernel per chunk that writes the row losses and ``softmax - onehot`` in place into the
+  logits buffer; no host synchronisation at all, weight gradient accumulated in fp32, chunks
+  sized for a 1 GiB compute-dtype logits buffer (~3.5k tokens at V=151936). CUDA, or CPU under
+  ``TRITON_INTERPRET=1`` (tests). Not yet the default: "auto" switches to it only after a GPU
+  measurement (``benchmarks/kernels/bench_flce.py``) shows it faster than Liger.
+- ``"torch"``: chunks of tokens in plain torch, any device, sync-free but slow (~162 ms at the
+  shapes above: ~10 fp32 passes over each chunk's logits). Each chunk materialises ``[chunk, V]``
+  fp32 logits only, sized by ``memory_budget_bytes`` (512 MiB by default).
 
-Trade-off (the torch path follows Liger): gradients w.r.t. hidden, weight and bias are computed
-*during the forward*, chunk by chunk, and kept until backward (``[T, Hd]`` in hidden's dtype plus
+Trade-off (the torch and triton paths follow Liger): gradients w.r.t. hidden, weight and bias are
+computed *during the forward*, chunk by chunk, and kept until backward (``[T, Hd]`` plus
 ``[V, Hd]`` fp32 for the weight). The alternative, recomputing the logits in backward, would
 save that memory between forward and backward but costs a second ``T x V x Hd`` matmul (~+50%
 of this op's FLOPs). When no input requires grad, no gradient is computed. The weight gradient
@@ -18,12 +29,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
 __all__ = ["fused_linear_cross_entropy"]
 
-_DEFAULT_BUDGET = 512 * 2**20  # bytes for one chunk's fp32 logits + probabilities
+_DEFAULT_BUDGET = 512 * 2**20  # torch backend: bytes for one chunk's fp32 logits + probabilities
 
 
 @functools.cache
@@ -112,10 +124,23 @@ def _chunk_size(t: int, v: int, budget: int) -> int:
     return max(1, min(t, budget // per_token))
 
 
+def _triton_usable(device: torch.device) -> bool:
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return importlib.util.find_spec("triton") is not None and (
+        device.type == "cuda" or (interpret and device.type == "cpu")
+    )
+
+
 def _resolve(backend: str, device: torch.device) -> str:
-    if backend not in ("auto", "liger", "torch"):
+    if backend not in ("auto", "liger", "torch", "triton"):
         raise ValueError(
-            f"unknown fused linear CE backend {backend!r}; choose 'auto', 'liger' or 'torch'"
+            f"unknown fused linear CE backend {backend!r}; "
+            "choose 'auto', 'liger', 'triton' or 'torch'"
+        )
+    if backend == "triton" and not _triton_usable(device):
+        raise RuntimeError(
+            f"backend 'triton' needs triton and CUDA tensors (or CPU with TRITON_INTERPRET=1), "
+            f"got tensors on {device}"
         )
     if backend == "auto":
         return "liger" if device.type == "cuda" and _liger_fn() is not None else "torch"
@@ -137,15 +162,18 @@ def fused_linear_cross_entropy(
     bias: torch.Tensor | None = None,  # [V]
     ignore_index: int = -100,
     backend: str = "auto",
-    memory_budget_bytes: int = _DEFAULT_BUDGET,
+    memory_budget_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(sum of token losses [fp32 scalar], number of counted tokens [int64 scalar])``.
 
     Equals ``F.cross_entropy(hidden @ weight.T + bias, labels, reduction="sum",
     ignore_index=ignore_index)`` in value and gradients (up to the compute dtype's rounding),
     never materialising more than one chunk of logits. Under autocast the matmuls run in the
-    autocast dtype. ``backend``: "auto" (Liger on CUDA when installed, else torch), "liger",
-    "torch". Divide by the *global* token count yourself.
+    autocast dtype. ``backend``: "auto" (Liger on CUDA when installed, else torch; "triton" is
+    not the default until measured faster on a GPU), "liger", "triton", "torch".
+    ``memory_budget_bytes`` bounds one chunk's logits: by default 512 MiB of fp32 logits and
+    their temporary for "torch", 1 GiB of compute-dtype logits for "triton" (Liger ignores it).
+    Divide by the *global* token count yourself.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -170,6 +198,16 @@ def fused_linear_cross_entropy(
         )
         loss = out[0] if isinstance(out, tuple) else out
         return loss.float(), count
-    chunk = _chunk_size(hidden.shape[0], weight.shape[0], memory_budget_bytes)
+    if name == "triton":
+        from . import _flce_triton
+
+        budget = _flce_triton.DEFAULT_BUDGET if memory_budget_bytes is None else memory_budget_bytes
+        cdt = _compute_dtype(hidden)
+        loss = _flce_triton.linear_cross_entropy(
+            hidden, weight, bias, labels, ignore_index, cdt, budget
+        )
+        return loss, count
+    budget = _DEFAULT_BUDGET if memory_budget_bytes is None else memory_budget_bytes
+    chunk = _chunk_size(hidden.shape[0], weight.shape[0], budget)
     loss = _ChunkedLinearCE.apply(hidden, weight, bias, labels, ignore_index, chunk)
     return loss, count
