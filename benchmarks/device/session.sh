@@ -74,8 +74,8 @@ for s in $STAGES; do
       packages/lmms-models/tests/test_gpu_packed.py::test_qwen2_5_vl_tower_runs_without_host_sync_from_host_grids \
       tests/test_one_process_fsdp.py::test_steady_state_step_never_waits_for_the_device \
       packages/lmms-kernels/tests/test_flce_triton.py ;;
-    flce) stage bench_flce 70 python3 benchmarks/kernels/bench_flce.py --tokens 16384 --iters 5 ;;
-    rope) stage bench_rope 140 python3 benchmarks/models/bench_rope.py --tokens 16384 --layers 4 ;;
+    flce) stage bench_flce 60 python3 benchmarks/kernels/bench_flce.py --tokens 16384 --iters 5 ;;
+    rope) stage bench_rope 120 python3 benchmarks/models/bench_rope.py --tokens 16384 --layers 4 ;;
     # text 3B with a sync-free loss (LOSS=triton|torch), its step profiled for waits and operators
     text8sync) stage train 130 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 125 --profile-steps 25 25 \
