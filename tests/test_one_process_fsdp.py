@@ -150,6 +150,23 @@ def test_wait_summary_points_at_the_line_that_read_a_scalar():
     assert site["op"] == "aten::item" and "culprit" in site["site"][0], site
 
 
+def test_trainer_places_media_without_upstream_device_reads(
+    tiny_inputs, tmp_path, monkeypatch, no_torchrun
+):
+    """The trainer's Qwen2.5-VL step places the image features from host positions (the data
+    carries `mm_token_type_ids`, kept on the host): upstream's `get_placeholder_mask` (a device
+    count check) is never called."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as upstream
+
+    def refuse(*_a, **_k):
+        raise AssertionError("upstream placeholder merge reached")
+
+    monkeypatch.setattr(upstream.Qwen2_5_VLModel, "get_placeholder_mask", refuse)
+    cfg = tiny_config(tiny_inputs, tmp_path / "run", max_steps=2, save_final=False)
+    last = train(config_from_dict(cfg))
+    assert torch.isfinite(torch.tensor(last["loss"]))
+
+
 def test_sync_log_names_the_line_that_synchronised():
     """The profiled window's sync log (CUDA's sync debug mode "warn" on a GPU) counts each
     synchronisation warning by the Python lines that made it; other warnings pass through."""
@@ -218,8 +235,8 @@ def test_steady_state_step_never_waits_for_the_device(
     """Issue 8's "no host synchronisation the profiler can point to", on the GPU: profile step 3
     of a tiny Qwen2.5-VL run (host grids, host media merge, sync-free loss) and require no
     stream/device sync at all, and none reported by CUDA's sync debug mode (which names the
-    line). The loop's own event wait (the previous step's metrics) is at most one per profiled
-    step. With `loss_backend: auto` (Liger's linear cross-entropy) the only syncs allowed are
+    line). The loop's own event waits are at most two per profiled step, both on the previous
+    step's events (its metrics copy and its end-of-step clock event, recorded before it). With `loss_backend: auto` (Liger's linear cross-entropy) the only syncs allowed are
     Liger's three (forward `.item()`, backward `torch.equal` on a fresh device tensor)."""
     import json
 
@@ -229,12 +246,12 @@ def test_steady_state_step_never_waits_for_the_device(
     train(config_from_dict(cfg))
     summary = json.loads((tmp_path / "run" / "profile" / "syncs_rank0.json").read_text())
     report = json.dumps({k: summary[k] for k in ("totals", "sites", "debug_sites")}, indent=1)
-    assert summary["totals"]["event_wait"]["count"] <= 1, report
+    assert summary["totals"]["event_wait"]["count"] <= 2, report
     liger = importlib.util.find_spec("liger_kernel") is not None and loss_backend == "auto"
     allowed = 3 if liger else 0
     assert summary["totals"]["sync"]["count"] <= allowed, report
     unknown = [
         s for s in summary["debug_sites"]
-        if not (liger and any("liger_kernel" in f or f == "[backward]" for f in s["site"]))
+        if not (liger and any("ops/fused_linear_cross_entropy.py" in f for f in s["site"]))
     ]  # fmt: skip
     assert not unknown, report

@@ -85,6 +85,8 @@ def test_labels_tokens_and_hf_parity(family, proc25, proc3):
     assert np.abs(out["pixel_values"] - s["pixel_values"]).mean() < 0.02
     if family == "qwen3_vl":
         assert (out["mm_token_type_ids"][0] == s["mm_token_type_ids"]).all()
+    types = np.where(s["input_ids"] == tok.convert_tokens_to_ids("<|image_pad|>"), 1, 0)
+    assert (s["mm_token_type_ids"] == types).all()  # every family: placeholders known on the host
 
 
 def _tiny_model(family, info):

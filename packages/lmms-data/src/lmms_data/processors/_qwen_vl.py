@@ -62,8 +62,8 @@ def _load_hf(processor: Any) -> tuple[Any, Any]:
 class QwenVLProcessor:
     """Turns normalised chat messages into one sample (see docs/contracts.md, "sample").
 
-    ``family`` is ``"qwen2_5_vl"`` or ``"qwen3_vl"`` (Qwen3-VL adds ``mm_token_type_ids`` and
-    per-frame timestamps in video prompts). ``tokens_per_second`` must equal the model's
+    ``family`` is ``"qwen2_5_vl"`` or ``"qwen3_vl"`` (Qwen3-VL adds per-frame timestamps in video
+    prompts). Both emit ``mm_token_type_ids`` (0 text, 1 image, 2 video per token). ``tokens_per_second`` must equal the model's
     ``vision_config.tokens_per_second`` (Qwen2.5-VL checkpoints use 2).
     """
 
@@ -216,8 +216,10 @@ class QwenVLProcessor:
         )  # [4, L]
         sample["length"] = L
         sample["vision_tokens"] = int((types != 0).sum())
-        if self.family == "qwen3_vl":
-            sample["mm_token_type_ids"] = types.astype(np.int64)
+        # 0 text, 1 image, 2 video per token: Qwen3-VL's model input, and for every family where
+        # lmms-models places the media features from the host (no device read, see
+        # lmms_models.QwenVLSpec.merge_media)
+        sample["mm_token_type_ids"] = types.astype(np.int64)
         return sample
 
 
