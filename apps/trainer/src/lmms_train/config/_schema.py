@@ -219,9 +219,9 @@ class TrainerArgs:
     use_liger_kernel: bool = _f(False, "Swap in Liger's fused kernels (GPU).")
     loss_backend: str = _f(
         "auto",
-        "Fused linear cross-entropy of `lmms_kernels` (`auto`: Liger on CUDA when installed, "
-        "else `torch`; or `liger`, `torch`, or any other backend `lmms_kernels` offers). Liger "
-        "reads the device three times per step (a host synchronisation each); `torch` never does.",
+        "Fused linear cross-entropy of `lmms_kernels` (`auto`: `triton` on CUDA, `torch` "
+        "elsewhere; or `liger`, `triton`, `torch`). Liger reads the device three times per step "
+        "(a host synchronisation each); `triton` and `torch` never do.",
     )
     attn_backend: str = _f(
         "auto",
