@@ -66,6 +66,12 @@ class QwenVLSpec(ModelSpec):
     #: decoders need more than ``inputs_embeds`` from the merge (Qwen3-VL's deepstack masks) keep
     #: the upstream path.
     host_merge: bool = False
+    #: Pass the decoder only the 3 mRoPE rows of ``position_ids`` (``[3, 1, T]``), not the text
+    #: row. Qwen3-VL's text model builds its causal mask from the text row, and transformers then
+    #: looks for packed sequences in it and reads the answer on the host (one synchronisation per
+    #: forward, for a mask varlen attention ignores); without the row it skips that, and the
+    #: rotary embedding uses the mRoPE rows either way.
+    mrope_rows_only: bool = False
     media_keys = (
         "pixel_values",
         "image_grid_thw",
@@ -172,6 +178,12 @@ class QwenVLSpec(ModelSpec):
             **{k: v for k, v in inputs.items() if k not in merged},
             "inputs_embeds": embeds,
         }
+
+    def pack_position_ids(
+        self, batch: dict[str, Any], n_tokens: int, device: torch.device
+    ) -> torch.Tensor:
+        pos = super().pack_position_ids(batch, n_tokens, device)  # [4, 1, T]
+        return pos[1:] if self.mrope_rows_only else pos
 
     @contextlib.contextmanager
     def media_context(self, model: nn.Module) -> Iterator[None]:

@@ -59,6 +59,7 @@ class Qwen3VLSpec(QwenVLSpec):
     processor_family = "qwen3_vl"
     config_class = "Qwen3VLConfig"
     model_class = "Qwen3VLForConditionalGeneration"
+    mrope_rows_only = True  # its text model's mask preparation reads the text row on the host
 
     def host_vision_inputs(self, tower: Any, grid_thw: torch.Tensor) -> dict[str, Any]:
         """The learned position embedding's bilinear interpolation (indices, weights), rotary
