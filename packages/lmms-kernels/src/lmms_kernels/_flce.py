@@ -112,12 +112,17 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        g_h, g_w, g_b = ctx.saved_tensors
-        dt_h, dt_w, dt_b = ctx.dtypes
-        out_h = (g_h * grad_out).to(dt_h) if g_h is not None else None
-        out_w = (g_w * grad_out).to(dt_w) if g_w is not None else None
-        out_b = (g_b * grad_out).to(dt_b) if g_b is not None else None
-        return out_h, out_w, out_b, None, None, None
+        return (*scaled_saved_grads(ctx, grad_out), None, None, None)
+
+
+def scaled_saved_grads(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Backward of the backends that compute the gradients in forward: the saved (hidden,
+    weight, bias) gradients times ``grad_out``, a device tensor (no host read), in the inputs'
+    dtypes (``ctx.dtypes``)."""
+    return tuple(
+        None if g is None else (g * grad_out).to(dt)
+        for g, dt in zip(ctx.saved_tensors, ctx.dtypes, strict=True)
+    )
 
 
 def _chunk_size(t: int, v: int, budget: int) -> int:

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._flce import scaled_saved_grads
+
 __all__ = ["DEFAULT_BUDGET", "ce_rows", "ce_rows_reference", "linear_cross_entropy"]
 
 DEFAULT_BUDGET = 1 << 30  # bytes for one chunk's [c, V] logits buffer in the compute dtype
@@ -200,13 +202,7 @@ class _TritonLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        # grad_out stays a device tensor: scaling is a kernel, not a host read
-        g_h, g_w, g_b = ctx.saved_tensors
-        dt_h, dt_w, dt_b = ctx.dtypes
-        out_h = (g_h * grad_out).to(dt_h) if g_h is not None else None
-        out_w = (g_w * grad_out).to(dt_w) if g_w is not None else None
-        out_b = (g_b * grad_out).to(dt_b) if g_b is not None else None
-        return out_h, out_w, out_b, None, None, None, None
+        return (*scaled_saved_grads(ctx, grad_out), None, None, None, None)
 
 
 def linear_cross_entropy(
