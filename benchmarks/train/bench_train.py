@@ -16,8 +16,7 @@ weights with bf16 autocast, gradient checkpointing, fused AdamW; with and withou
     python benchmarks/train/bench_train.py                      # every case (GPU, ~8 min)
     python benchmarks/train/bench_train.py --cases vl3b_16k hf_sdpa_liger
     python benchmarks/train/bench_train.py --tiny               # plumbing check on CPU
-    python benchmarks/train/bench_train.py --cases vl3b_16k --ac-fraction 1.0
-                                       # override the case's checkpointing layout
+    python benchmarks/train/bench_train.py --cases vl3b_16k --ac-fraction 1.0  # other layout
 
 Each case has an activation-checkpointing layout (`CASES[...]["layout"]`, trainer_args keys): the
 fastest bench_packed measured to fit one H200 for the VL cases, and no checkpointing for the
@@ -294,12 +293,8 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         json.loads(x) for x in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()
     ]
     profiled = range(args.profile_steps[0], args.profile_steps[1] + 1) if args.profile_steps else ()
-    # timed: after warm-up, and not a profiled step (the profiler slows the step it records)
-    rows = [
-        r
-        for r in rows
-        if r.get("step", 0) > args.warmup and "tokens" in r and r["step"] not in profiled
-    ]
+    # timed: step rows after warm-up, not profiled (the profiler slows the steps it records)
+    rows = [r for r in rows if args.warmup < r.get("step", 0) not in profiled and "tokens" in r]
     dt = sum(r["step_time"] for r in rows)
     out = {
         "case": name,
@@ -327,11 +322,8 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
             Path(os.environ["OUT"], f"{name}.ops.txt").write_text(ops.read_text())
         summary = json.loads(syncs.read_text())
         out["host_waits"] = summary["totals"]
-        out["host_wait_sites"] = [
-            f"{s['count']}x {s['name']} under {s['op'] or '-'} at {(s['site'] or ['?'])[0]}"
-            for s in summary["sites"][:8]
-        ]
-        # CUDA's sync debug mode during the window: the Python lines that synchronised
+        # CUDA's sync debug mode during the window: the Python lines that synchronised (the
+        # profiler's own `sites` come back without Python frames on the GPU)
         out["sync_sites"] = [
             f"{s['count']}x at {' <- '.join(s['site'][:3]) or '?'}"
             for s in summary.get("debug_sites", [])[:8]
@@ -398,6 +390,9 @@ def _padded_batch(group: list[dict], pad: int, dev: str) -> dict:
     import numpy as np
     import torch
 
+    def cat(key: str):
+        return torch.from_numpy(np.concatenate([s[key] for s in group])).to(dev)
+
     L = max(s["length"] for s in group)
     ids = np.full((len(group), L), pad, dtype=np.int64)
     lab = np.full((len(group), L), -100, dtype=np.int64)
@@ -409,12 +404,8 @@ def _padded_batch(group: list[dict], pad: int, dev: str) -> dict:
         "input_ids": torch.from_numpy(ids).to(dev),
         "labels": torch.from_numpy(lab).to(dev),
         "attention_mask": torch.from_numpy(mask).to(dev),
-        "pixel_values": torch.from_numpy(np.concatenate([s["pixel_values"] for s in group])).to(
-            dev
-        ),
-        "image_grid_thw": torch.from_numpy(np.concatenate([s["image_grid_thw"] for s in group])).to(
-            dev
-        ),
+        "pixel_values": cat("pixel_values"),
+        "image_grid_thw": cat("image_grid_thw"),
     }
 
 
