@@ -134,6 +134,7 @@ class SyncLog:
         self.sites: Counter[tuple[str, ...]] = Counter()
         self._mode: int | None = None
         self._catch: Any = None
+        self._shown: Any = warnings.showwarning  # the handler other warnings go to
 
     def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
         if "synchroniz" not in str(message):
