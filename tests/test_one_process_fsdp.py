@@ -1,5 +1,6 @@
-"""One process runs the same FSDP2 path as torchrun (bf16 from MixedPrecisionPolicy, not
-autocast) and the steady-state step never waits for the device."""
+"""One process runs the same FSDP2 path as torchrun (bf16 from MixedPrecisionPolicy), or with
+`fsdp: false` a bf16 module with fp32 master weights and the same arithmetic; the steady-state
+step never waits for the device."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def no_torchrun(monkeypatch):
 
 
 def _spy_run(monkeypatch) -> dict:
-    """Record what the loop gets: parameter types, autocast, compute dtype of a block."""
+    """Record what the loop gets: parameter types, what the optimizer steps, compute dtype of a
+    block."""
     seen: dict = {"block_dtypes": set()}
     original = trainer.train_loop
 
@@ -34,7 +36,7 @@ def _spy_run(monkeypatch) -> dict:
 
         seen["dtensor"] = all(isinstance(p, DTensor) for p in run.model.parameters())
         seen["master"] = {p.dtype for p in run.model.parameters()}
-        seen["autocast"] = run.autocast_dtype
+        seen["stepped"] = {p.dtype for g in run.optimizer.param_groups for p in g["params"]}
         block = run.spec.decoder_blocks(run.model)[0]
         linear = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
 
@@ -54,21 +56,53 @@ def test_one_process_bf16_goes_through_fsdp(tiny_inputs, tmp_path, monkeypatch, 
     cfg = tiny_config(tiny_inputs, tmp_path / "run", max_steps=2, save_final=False, bf16=True)
     last = train(config_from_dict(cfg))
     assert seen["group"] and seen["dtensor"], seen
-    assert seen["autocast"] is None  # bf16 comes from FSDP2's MixedPrecisionPolicy
-    assert seen["master"] == {torch.float32}  # fp32 master weights
+    assert seen["master"] == seen["stepped"] == {torch.float32}  # fp32 master weights
     assert torch.bfloat16 in seen["block_dtypes"], seen["block_dtypes"]
     assert not torch.distributed.is_initialized()  # the run's own 1-rank group is destroyed
     assert torch.isfinite(torch.tensor(last["loss"]))
 
 
-def test_fsdp_false_is_plain_autocast(tiny_inputs, tmp_path, monkeypatch, no_torchrun):
+def test_fsdp_false_is_a_bf16_module_with_fp32_masters(
+    tiny_inputs, tmp_path, monkeypatch, no_torchrun
+):
     seen = _spy_run(monkeypatch)
     cfg = tiny_config(
         tiny_inputs, tmp_path / "run", max_steps=1, save_final=False, bf16=True, fsdp=False
     )
     train(config_from_dict(cfg))
     assert not seen["group"] and not seen["dtensor"]
-    assert seen["autocast"] is torch.bfloat16
+    assert seen["master"] == seen["block_dtypes"] == {torch.bfloat16}
+    assert seen["stepped"] == {torch.float32}
+
+
+def test_master_weights_equal_fsdp2_mixed_precision(tiny_inputs, tmp_path, no_torchrun):
+    """bf16 on one process: FSDP2's MixedPrecisionPolicy and MasterWeights are the same
+    arithmetic (bf16 casts of fp32 masters, gradients accumulated over micro-batches in fp32),
+    so losses and grad norms are equal over steps, and a checkpoint of either resumes the other
+    exactly."""
+    losses, runs = {}, {}
+    for fsdp in (True, False):
+        out = runs[fsdp] = tmp_path / f"fsdp_{fsdp}"
+        cfg = tiny_config(
+            tiny_inputs, out, max_steps=4, save_steps=2, save_final=False, bf16=True,
+            fsdp=fsdp, gradient_accumulation_steps=2,
+        )  # fmt: skip
+        train(config_from_dict(cfg))
+        losses[fsdp] = [
+            r[k] for r in read_jsonl(out / "metrics.jsonl") for k in ("loss", "grad_norm")
+        ]
+    assert len(losses[True]) == 8
+    assert losses[False] == losses[True]
+    for fsdp in (True, False):  # resume steps 3-4 from the other path's step-2 checkpoint
+        out = tmp_path / f"resumed_{fsdp}"
+        cfg = tiny_config(
+            tiny_inputs, out, max_steps=4, save_final=False, bf16=True, fsdp=fsdp,
+            gradient_accumulation_steps=2,
+            resume_from=str(runs[not fsdp] / "checkpoints" / "step_000002"),
+        )  # fmt: skip
+        train(config_from_dict(cfg))
+        got = [r[k] for r in read_jsonl(out / "metrics.jsonl") for k in ("loss", "grad_norm")]
+        assert got == losses[not fsdp][4:], fsdp
 
 
 def test_one_process_fsdp_equals_plain_fp32(tiny_inputs, tmp_path, no_torchrun):

@@ -16,14 +16,12 @@ weights with bf16 autocast, gradient checkpointing, fused AdamW; with and withou
     python benchmarks/train/bench_train.py                      # every case (GPU, ~8 min)
     python benchmarks/train/bench_train.py --cases vl3b_16k hf_sdpa_liger
     python benchmarks/train/bench_train.py --tiny               # plumbing check on CPU
-    python benchmarks/train/bench_train.py --cases vl3b_16k --ac-fraction 1.0  # other layout
 
 Each case has an activation-checkpointing layout (`CASES[...]["layout"]`, trainer_args keys): the
 fastest bench_packed measured to fit one H200 for the VL cases, and no checkpointing for the
-text cases; `--ac/--ac-fraction/--vision-ac/--vision-ac-fraction` override it for every case.
-The row of each case names the layout it ran with.
-
-Prints one JSON line per case and a table last; writes bench_train.json to $OUT if set.
+text cases; `--ac/--ac-fraction/--vision-ac/--vision-ac-fraction` override it for every case
+(each row names the layout it ran with). Prints one JSON line per case and a table last;
+writes bench_train.json to $OUT if set.
 """
 
 from __future__ import annotations
@@ -228,6 +226,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "attn_backend": "auto",
             **ac_layout(case, args),
             "reshard_after_forward": not args.keep,
+            "fsdp": not args.no_fsdp,
             "save_final": False,
             "report_to": [],
             "profile_step_breakdown": True,
@@ -517,6 +516,7 @@ def main() -> None:
         help="trainer_args.reshard_after_forward: false (gathered weights kept until backward)",
     )
     p.add_argument("--compile", action="store_true", help="trainer_args.compile: blocks compiled")
+    p.add_argument("--no-fsdp", action="store_true", help="trainer_args.fsdp: false")
     p.add_argument(
         "--loss-backend",
         default="auto",
@@ -581,8 +581,8 @@ def main() -> None:
         Path(os.environ["OUT"], f"bench_train{args.tag}.json").write_text(
             json.dumps(results, indent=1)
         )
-    cols = ["case", "status", "T", "tok_s", "mfu", "mfu_lm", "peak_gib", "data_wait", "step_s"]
-    cols += ["time/forward", "time/backward", "time/optimizer"]
+    cols = ["case", "status", "T", "tok_s", "mfu", "mfu_lm", "peak_gib", "data_wait", "step_s",
+            "time/forward", "time/backward", "time/optimizer"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))
     for r in results:

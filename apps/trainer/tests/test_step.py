@@ -25,8 +25,7 @@ def test_micro_batch_losses_stay_on_device():
     model, forward = _model_and_forward()
     batches = [{"x": torch.randn(5, 4)} for _ in range(3)]  # moved to meta by the step
     total = run_micro_batches(
-        model=model, forward=forward, batches=batches, device=META, scale=0.5,
-        autocast_dtype=None,
+        model=model, forward=forward, batches=batches, device=META, scale=0.5
     )  # fmt: skip
     assert total.device == META and total.dtype == torch.float64
     assert model.weight.grad is not None
@@ -35,9 +34,10 @@ def test_micro_batch_losses_stay_on_device():
 def test_grad_norm_stays_on_device():
     model, forward = _model_and_forward()
     forward(model, {"x": torch.randn(5, 4, device=META)})[0].backward()
-    norm = grad_norm(model, 1.0, META)
+    norm = grad_norm(torch.optim.SGD(model.parameters(), lr=0.1), 1.0, META)
     assert norm.device == META
-    assert grad_norm(torch.nn.Linear(2, 2), 1.0, torch.device("cpu")).item() == 0.0  # no grads
+    idle = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert grad_norm(idle, 1.0, torch.device("cpu")).item() == 0.0  # no grads
 
 
 def test_pending_scalars_equal_float_of_each():
@@ -55,8 +55,7 @@ def test_micro_batch_sum_equals_per_batch_host_sum():
         return model(batch["x"]).pow(2).sum(), torch.tensor(7)
 
     total = run_micro_batches(
-        model=model, forward=forward, batches=batches, device=torch.device("cpu"), scale=1.0,
-        autocast_dtype=None,
+        model=model, forward=forward, batches=batches, device=torch.device("cpu"), scale=1.0
     )  # fmt: skip
     with torch.no_grad():
         ref = sum(float(forward(model, b)[0].to(torch.float64)) for b in batches)

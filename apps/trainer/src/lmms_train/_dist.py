@@ -6,7 +6,9 @@ FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 master weights and gradient 
 every layout. One process without torchrun gets a 1-rank group over an in-process `HashStore`
 (no env vars, no port). On one rank FSDP2's all-gathers and reduce-scatters are copies; bf16
 parameters instead of autocast measured +7.7% tok/s on an H200 (benchmarks/RESULTS.md,
-`full/fsdp` vs `full`). `fsdp: false` (one process only) keeps a plain module with autocast.
+`full/fsdp` vs `full`). `fsdp: false` (one process only) skips those copies: the module itself
+computes in bf16 and the optimizer steps fp32 masters (`lmms_parallel.MasterWeights`, the same
+arithmetic); without bf16 it is a plain fp32 module.
 
 `distributed` means several ranks: the scalar all-reduces and the vision-tower participation
 hook are skipped on one rank, group or not. Host scalars (token counts, timings) are reduced over

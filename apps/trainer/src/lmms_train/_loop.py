@@ -50,6 +50,7 @@ class Run:
     env: DistEnv
     spec: Any
     model: torch.nn.Module
+    state_model: torch.nn.Module  # what checkpoints hold: `model`, or its fp32 masters
     hf_config: Any
     forward: Any  # (model, batch) -> (loss_sum, n_tokens)
     optimizer: torch.optim.Optimizer
@@ -60,7 +61,6 @@ class Run:
     logger: MetricsLogger
     state: TrainState = field(default_factory=TrainState)
     peak_flops: float = 1.0
-    autocast_dtype: torch.dtype | None = None
     stop_requested: bool = False
 
 
@@ -94,13 +94,7 @@ def evaluate(run: Run) -> float:
     with torch.no_grad():
         for batch in run.eval_data():
             batch = move_batch(batch, env.device, run.spec.host_keys)
-            ctx = (
-                torch.autocast(env.device.type, dtype=run.autocast_dtype)
-                if run.autocast_dtype
-                else torch.autocast(env.device.type, enabled=False)
-            )
-            with ctx:
-                loss_sum, n = run.forward(model, batch)
+            loss_sum, n = run.forward(model, batch)
             total += float(loss_sum)
             count += float(n)
     model.train()
@@ -202,11 +196,10 @@ def train_loop(run: Run) -> dict[str, Any]:
                 batches=batches,
                 device=env.device,
                 scale=1.0 / max(global_count, 1.0),
-                autocast_dtype=run.autocast_dtype,
                 phases=phases,
                 host_keys=run.spec.host_keys,
             )
-            norm = grad_norm(run.model, t.max_grad_norm, env.device)
+            norm = grad_norm(run.optimizer, t.max_grad_norm, env.device)
             lr = run.scheduler.get_last_lr()[0]
             run.optimizer.step()
             run.scheduler.step()
@@ -271,7 +264,7 @@ def _save(run: Run) -> None:
     t0 = time.perf_counter()
     path = run.checkpointer.save(
         step=run.state.step,
-        model=run.model,
+        model=run.state_model,
         optimizer=run.optimizer,
         scheduler=run.scheduler,
         state=run.state,

@@ -3,7 +3,9 @@
 Order (STYLE.md #3): build (on several ranks: on the meta device, with the weights read or
 randomly initialised once on rank 0; on one process: directly on the device) -> freeze -> Liger
 -> attention (+ Ulysses wrapper) -> activation checkpointing -> compile (per block) -> FSDP2 ->
-materialise and load the weights (rank 0 broadcasts into every rank's shards).
+materialise and load the weights (rank 0 broadcasts into every rank's shards). Without FSDP2
+(`fsdp: false`, one process) bf16 comes from `lmms_parallel.MasterWeights` instead, last: the
+same arithmetic as FSDP2's MixedPrecisionPolicy without its one-rank copies.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ class BuiltModel:
     hf_config: Any
     frozen: list[str]
     handles: list[Any]  # patch/AC handles kept alive for the run
+    master: Any = None  # lmms_parallel.MasterWeights when bf16 without FSDP2
+
+    @property
+    def state_module(self) -> nn.Module:
+        """What checkpoints and exports read: the fp32 masters where there are any."""
+        return self.model if self.master is None else self.master.state_module()
 
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +225,14 @@ def build_model(
             materialize(model, env.device)
             load_full_state_dict(model, weights if env.rank == 0 else None)
             del weights
-    return BuiltModel(spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles)
+    master = None
+    if not env.fsdp and t.bf16:
+        from lmms_parallel import MasterWeights
+
+        master = MasterWeights(model, torch.bfloat16)
+    return BuiltModel(
+        spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles, master=master
+    )
 
 
 def ac_plan(t: Any) -> dict[str, tuple[str, float]]:

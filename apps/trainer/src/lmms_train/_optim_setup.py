@@ -22,9 +22,29 @@ def _no_decay(name: str, p: torch.Tensor) -> bool:
     return p.ndim < 2 or name.endswith(".bias")
 
 
-def build_optimizer(model: nn.Module, spec: Any, t: TrainerArgs) -> torch.optim.Optimizer:
-    """AdamW (no decay on norms/biases) or Muon over the trainable parameters of `model`."""
+def build_optimizer(
+    model: nn.Module, spec: Any, t: TrainerArgs, master: Any = None
+) -> torch.optim.Optimizer:
+    """AdamW (no decay on norms/biases) or Muon over the trainable parameters of `model`; with
+    `master` (`lmms_parallel.MasterWeights`) over their fp32 masters, written back into the
+    model after every step."""
+    optimizer = _build(model, spec, t, master)
+    if master is not None:
+        master.attach(optimizer)
+    return optimizer
+
+
+def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.optim.Optimizer:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    excluded = {  # Muon's exclusions, by the model's own modules
+        id(p) for m in [*spec.embeddings(model), spec.lm_head(model)] for p in m.parameters()
+    }
+    if master is not None:  # the model's names and modules decide the groups; masters are stepped
+        names, params = zip(*named, strict=True)
+        named = list(zip(names, master.map_params(list(params)), strict=True))
+        excluded = {
+            id(p) for p in master.map_params([p for p in model.parameters() if id(p) in excluded])
+        }
     if t.optimizer == "adamw":
         decay = [p for n, p in named if not _no_decay(n, p)]
         other = [p for n, p in named if _no_decay(n, p)]
@@ -48,9 +68,6 @@ def build_optimizer(model: nn.Module, spec: Any, t: TrainerArgs) -> torch.optim.
         )
     from lmms_optim import Muon
 
-    excluded = {
-        id(p) for m in [*spec.embeddings(model), spec.lm_head(model)] for p in m.parameters()
-    }
     muon = [p for n, p in named if p.ndim >= 2 and id(p) not in excluded]
     adamw = [p for n, p in named if not (p.ndim >= 2 and id(p) not in excluded)]
     groups = []

@@ -18,7 +18,6 @@ events recorded at its start and end (`StepClock`), so it is the device's time f
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import time
@@ -109,7 +108,6 @@ def run_micro_batches(
     batches: list[dict[str, Any]],
     device: torch.device,
     scale: float,
-    autocast_dtype: torch.dtype | None,
     phases: PhaseTimer | None = None,
     host_keys: tuple[str, ...] = (),
 ) -> torch.Tensor:
@@ -123,14 +121,8 @@ def run_micro_batches(
         if can_toggle:
             model.set_requires_gradient_sync(last)
         batch = move_batch(batch, device, host_keys)
-        ctx = (
-            torch.autocast(device.type, dtype=autocast_dtype)
-            if autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
         phases.mark("data")  # host-to-device copy of the batch, counted apart
-        with ctx:
-            loss_sum, _ = forward(model, batch)
+        loss_sum, _ = forward(model, batch)
         phases.mark("forward")
         (loss_sum.float() * scale).backward()
         phases.mark("backward")
@@ -138,9 +130,12 @@ def run_micro_batches(
     return total
 
 
-def grad_norm(model: torch.nn.Module, max_norm: float, device: torch.device) -> torch.Tensor:
-    """Clip the global gradient norm (0: no clipping); returns the norm as a device tensor."""
-    params = [p for p in model.parameters() if p.grad is not None]
+def grad_norm(
+    optimizer: torch.optim.Optimizer, max_norm: float, device: torch.device
+) -> torch.Tensor:
+    """Clip the global gradient norm of what `optimizer` steps (the model's parameters, or their
+    fp32 masters) (0: no clipping); returns the norm as a device tensor."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if not params:
         return torch.zeros((), device=device)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from lmms_train._checkpoint import RunCheckpointer
@@ -87,7 +86,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     token_ids = prepare_inputs(cfg, env, spec)  # synthetic data / local processor if configured
     seed_everything(t.seed)
     built = build_model(cfg, env, spec, token_ids)
-    optimizer = build_optimizer(built.model, spec, t)
+    optimizer = build_optimizer(built.model, spec, t, built.master)
     scheduler = build_schedule(optimizer, t)
     data, eval_data = build_data(cfg, env, spec)
     checkpointer = RunCheckpointer(out, t.save_total_limit)
@@ -97,13 +96,15 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     if resume is not None:
         checkpointer.load(
             resume,
-            model=built.model,
+            model=built.state_module,
             optimizer=optimizer,
             scheduler=scheduler,
             state=state,
             data=data,
             env=env,
         )
+        if built.master is not None:
+            built.master.copy_to_model()
         if env.is_main:
             print(
                 f"[lmms-train] resumed from {resume} at step {state.step}",
@@ -120,6 +121,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         env=env,
         spec=spec,
         model=built.model,
+        state_model=built.state_module,
         hf_config=built.hf_config,
         forward=make_forward(spec, built.model, env, loss_backend=cfg.trainer_args.loss_backend),
         optimizer=optimizer,
@@ -130,7 +132,6 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         logger=logger,
         state=state,
         peak_flops=peak_flops_for(env.device, t.peak_flops),
-        autocast_dtype=torch.bfloat16 if (t.bf16 and not env.fsdp) else None,  # else FSDP's bf16
     )
     try:
         last = train_loop(run)
@@ -139,7 +140,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     if t.export_hf and state.step >= t.max_steps:
         from lmms_parallel import export_hf
 
-        export_hf(built.model, out / "hf")
+        export_hf(built.model, out / "hf", weights=built.state_module)
     if env.is_main:
         _plot_quietly(out)
     return last

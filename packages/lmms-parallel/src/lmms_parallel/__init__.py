@@ -1,4 +1,4 @@
-"""lmms-parallel: device mesh, FSDP2, Ulysses sequence parallel, activation checkpointing, DCP.
+"""lmms-parallel: device mesh, FSDP2 (or one-device master weights), Ulysses sequence parallel, activation checkpointing, DCP.
 
 Model-agnostic: which modules are blocks, which module to slice for SP, and how to build a dummy
 vision input come from the model spec (lmms-models) as data.
@@ -8,6 +8,7 @@ from lmms_parallel._ac import ACHandle, apply_activation_checkpointing
 from lmms_parallel._checkpoint import Checkpointer
 from lmms_parallel._export import export_hf, gather_full_state_dict
 from lmms_parallel._fsdp import apply_fsdp
+from lmms_parallel._master import MasterWeights
 from lmms_parallel._mesh import ParallelDims, dp_mesh, fsdp_mesh, sp_group
 from lmms_parallel._meta import load_full_state_dict, materialize, meta_init, read_safetensors
 from lmms_parallel._ulysses import (
@@ -24,6 +25,7 @@ from lmms_parallel._vision import VisionParticipation, ensure_vision_participati
 __all__ = [
     "ACHandle",
     "Checkpointer",
+    "MasterWeights",
     "ParallelDims",
     "SequenceParallel",
     "UlyssesAttention",

@@ -35,14 +35,18 @@ def export_hf(
     *,
     dtype: torch.dtype | None = None,
     max_shard_size: str = "5GB",
+    weights: nn.Module | None = None,
 ) -> Path | None:
     """Write ``out_dir`` loadable by ``from_pretrained``; returns it on rank 0, ``None`` elsewhere.
 
     Args:
         dtype: cast floating-point weights (e.g. ``torch.bfloat16`` for release); default keeps
             the master dtype.
+        weights: the module whose state dict is written, when it is not ``model`` itself (e.g.
+            ``MasterWeights.state_module()``: the fp32 masters of a bf16 model); ``model`` still
+            provides ``save_pretrained`` and the config.
     """
-    full = gather_full_state_dict(model)
+    full = gather_full_state_dict(model if weights is None else weights)
     if dist.is_initialized() and dist.get_rank() != 0:
         dist.barrier()
         return None

@@ -28,6 +28,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    cast_forward_inputs: bool = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each of ``blocks`` is a unit, then the root.
 
@@ -46,11 +47,17 @@ def apply_fsdp(
             keep them until backward (ZeRO-2 like, one all-gather fewer per block).
         cpu_offload: keep sharded parameters, gradients and optimizer state on CPU (slow, for
             models that do not fit otherwise).
+        cast_forward_inputs: cast every unit's floating-point inputs to ``param_dtype`` (FSDP2's
+            default). Off here: units get their inputs as the model computes them (a vision
+            tower's fp32 rotary tables stay fp32; the model casts where it means to), which is
+            also what ``MasterWeights`` does on one device: both give the same numbers.
 
     Frozen sub-modules (``requires_grad=False``, e.g. the vision tower) are supported: they are
     sharded and all-gathered like the others but get no gradient reduction.
     """
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs
+    )
     kwargs: dict = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
         # Pinned host memory makes the host<->device copies asynchronous; it needs CUDA.
