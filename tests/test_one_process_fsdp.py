@@ -1,6 +1,6 @@
-"""One process runs the same FSDP2 path as torchrun (bf16 from MixedPrecisionPolicy), or with
-`fsdp: false` a bf16 module with fp32 master weights and the same arithmetic; the steady-state
-step never waits for the device."""
+"""One process computes in bf16 from fp32 masters without FSDP2 (`MasterWeights`), or with
+`fsdp: true` through the FSDP2 path of torchrun (MixedPrecisionPolicy): the same numbers, bit for
+bit; the steady-state step never waits for the device."""
 
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ def _spy_run(monkeypatch) -> dict:
 
 def test_one_process_bf16_goes_through_fsdp(tiny_inputs, tmp_path, monkeypatch, no_torchrun):
     seen = _spy_run(monkeypatch)
-    cfg = tiny_config(tiny_inputs, tmp_path / "run", max_steps=2, save_final=False, bf16=True)
+    cfg = tiny_config(
+        tiny_inputs, tmp_path / "run", max_steps=2, save_final=False, bf16=True, fsdp=True
+    )
     last = train(config_from_dict(cfg))
     assert seen["group"] and seen["dtensor"], seen
     assert seen["master"] == seen["stepped"] == {torch.float32}  # fp32 master weights
@@ -62,12 +64,13 @@ def test_one_process_bf16_goes_through_fsdp(tiny_inputs, tmp_path, monkeypatch, 
     assert torch.isfinite(torch.tensor(last["loss"]))
 
 
-def test_fsdp_false_is_a_bf16_module_with_fp32_masters(
-    tiny_inputs, tmp_path, monkeypatch, no_torchrun
+@pytest.mark.parametrize("fsdp", [None, False])
+def test_one_process_default_is_a_bf16_module_with_fp32_masters(
+    tiny_inputs, tmp_path, monkeypatch, no_torchrun, fsdp
 ):
     seen = _spy_run(monkeypatch)
     cfg = tiny_config(
-        tiny_inputs, tmp_path / "run", max_steps=1, save_final=False, bf16=True, fsdp=False
+        tiny_inputs, tmp_path / "run", max_steps=1, save_final=False, bf16=True, fsdp=fsdp
     )
     train(config_from_dict(cfg))
     assert not seen["group"] and not seen["dtensor"]

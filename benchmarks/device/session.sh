@@ -80,16 +80,18 @@ for s in $STAGES; do
     text8sync) stage train 130 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 125 --profile-steps 25 25 \
       --loss-backend ${LOSS:-triton} --tag=-${LOSS:-triton} --cases text3b_16k ;;
-    # lever 17: text 3B through FSDP2 on one rank, then as a bf16 module with fp32 masters
-    # (trainer_args.fsdp: false, lmms_parallel.MasterWeights), both profiled
+    # lever 17: text 3B through FSDP2 on one rank (--fsdp), then with the one-process default (a
+    # bf16 module with fp32 masters, lmms_parallel.MasterWeights), both profiled
     text8pair) stage train 130 python3 benchmarks/train/bench_train.py --compile --steps 21 \
-      --warmup 4 --records 1500 --case-timeout 125 --profile-steps 25 25 --tag=-fsdp --cases text3b_16k
+      --warmup 4 --records 1500 --case-timeout 125 --profile-steps 25 25 --fsdp --tag=-fsdp \
+      --cases text3b_16k
       stage train_master 130 python3 benchmarks/train/bench_train.py --compile --steps 21 \
-      --warmup 4 --records 1500 --case-timeout 125 --profile-steps 25 25 --no-fsdp --tag=-master \
+      --warmup 4 --records 1500 --case-timeout 125 --profile-steps 25 25 --tag=-master \
       --cases text3b_16k ;;
-    # VL 16k (AdamW, Muon) with fp32 masters; a cold first case compiles both towers (>220 s)
+    # VL 16k (AdamW, Muon) with the one-process default; a cold first case compiles both towers
+    # (>220 s); VL_CASES="vl3b_32k" for the 32k case
     vl8master) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 21 \
-      --warmup 4 --records 1500 --case-timeout 270 --profile-steps 25 25 --no-fsdp --tag=-master \
+      --warmup 4 --records 1500 --case-timeout 270 --profile-steps 25 25 --tag=-master \
       --cases ${VL_CASES:-vl3b_16k vl3b_16k_muon} ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -226,7 +226,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "attn_backend": "auto",
             **ac_layout(case, args),
             "reshard_after_forward": not args.keep,
-            "fsdp": not args.no_fsdp,
+            "fsdp": True if args.fsdp else None,  # None: FSDP2 only on several processes
             "save_final": False,
             "report_to": [],
             "profile_step_breakdown": True,
@@ -516,7 +516,7 @@ def main() -> None:
         help="trainer_args.reshard_after_forward: false (gathered weights kept until backward)",
     )
     p.add_argument("--compile", action="store_true", help="trainer_args.compile: blocks compiled")
-    p.add_argument("--no-fsdp", action="store_true", help="trainer_args.fsdp: false")
+    p.add_argument("--fsdp", action="store_true", help="trainer_args.fsdp: true (one-rank FSDP2)")
     p.add_argument(
         "--loss-backend",
         default="auto",

@@ -1,14 +1,13 @@
 """Process-group set-up and the few collectives the loop needs.
 
-With `trainer_args.fsdp: true` (the default) every run, one process included, joins a process
-group (NCCL on CUDA, gloo on CPU) and the model goes through FSDP2, so bf16 compute comes from
-FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 master weights and gradient reduction) in
-every layout. One process without torchrun gets a 1-rank group over an in-process `HashStore`
-(no env vars, no port). On one rank FSDP2's all-gathers and reduce-scatters are copies; bf16
-parameters instead of autocast measured +7.7% tok/s on an H200 (benchmarks/RESULTS.md,
-`full/fsdp` vs `full`). `fsdp: false` (one process only) skips those copies: the module itself
-computes in bf16 and the optimizer steps fp32 masters (`lmms_parallel.MasterWeights`, the same
-arithmetic); without bf16 it is a plain fp32 module.
+Several processes join a process group (NCCL on CUDA, gloo on CPU) and the model goes through
+FSDP2, so bf16 compute comes from FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 master
+weights and gradient reduction). One process (`trainer_args.fsdp` unset or false) skips FSDP2,
+whose all-gathers and reduce-scatters are copies on one rank: the module itself computes in bf16
+and the optimizer steps fp32 masters (`lmms_parallel.MasterWeights`: the same arithmetic, bit
+for bit; +8% tok/s for Qwen2.5-3B on an H200, benchmarks/RESULTS.md); without bf16 it is a plain
+fp32 module. `fsdp: true` on one process (needed for `fsdp_cpu_offload`) gets a 1-rank group over
+an in-process `HashStore` (no env vars, no port) and runs the FSDP2 path of torchrun.
 
 `distributed` means several ranks: the scalar all-reduces and the vision-tower participation
 hook are skipped on one rank, group or not. Host scalars (token counts, timings) are reduced over
@@ -142,9 +141,12 @@ def default_kernel_cache(environ: dict[str, str] | None = None) -> bool:
     return True
 
 
-def init_distributed(*, device: str, sp: int, dp_replicate: int, fsdp: bool) -> DistEnv:
-    """Read torchrun's environment, check the parallel degrees, join the process group."""
+def init_distributed(*, device: str, sp: int, dp_replicate: int, fsdp: bool | None) -> DistEnv:
+    """Read torchrun's environment, check the parallel degrees, join the process group.
+    `fsdp=None`: FSDP2 on several processes only."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if fsdp is None:
+        fsdp = world > 1
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if world % (sp * dp_replicate) != 0:

@@ -32,7 +32,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as configured; returns the last step's metrics (on every rank)."""
     t = cfg.trainer_args
     env = init_distributed(
-        device=t.device, sp=t.sp_ulysses_degree, dp_replicate=t.dp_replicate, fsdp=t.fsdp
+        device=t.device,
+        sp=t.sp_ulysses_degree,
+        dp_replicate=t.dp_replicate,
+        fsdp=True if t.fsdp is None and t.fsdp_cpu_offload else t.fsdp,  # offload needs FSDP2
     )
     try:
         return _train(cfg, env)
