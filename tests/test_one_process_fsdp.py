@@ -149,6 +149,29 @@ def test_step_metrics_are_read_one_step_late(tiny_inputs, tmp_path, monkeypatch,
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
+def test_next_steps_packs_are_read_while_the_backward_runs(
+    tiny_inputs, tmp_path, monkeypatch, no_torchrun
+):
+    """Each step's packs are read during the previous step, after its backward is queued and
+    before its optimizer step; the last step reads nothing ahead."""
+    order: list[str] = []
+    fetch, norm = loop._fetch, loop.grad_norm
+
+    def recording_fetch(*a, **k):
+        order.append("read")
+        return fetch(*a, **k)
+
+    def recording_norm(*a, **k):
+        order.append("optimizer")
+        return norm(*a, **k)
+
+    monkeypatch.setattr(loop, "_fetch", recording_fetch)
+    monkeypatch.setattr(loop, "grad_norm", recording_norm)
+    cfg = tiny_config(tiny_inputs, tmp_path / "run", max_steps=3, save_final=False)
+    train(config_from_dict(cfg))
+    assert order == ["read", "read", "optimizer", "read", "optimizer", "optimizer"], order
+
+
 def test_profile_steps_write_trace_ops_and_host_waits(tiny_inputs, tmp_path, no_torchrun):
     """`profile_steps: [2, 3]`: the trace, the operator table and the wait summary are written
     for exactly that window."""

@@ -56,14 +56,15 @@ class RunCheckpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         state: TrainState,
-        data: Any,
+        data_state: dict[str, Any],
         env: DistEnv,
     ) -> Path:
+        """`data_state`: the loader's position after the packs of `step` (the loop reads ahead)."""
         extra = {
             "scheduler": scheduler.state_dict(),
             "train_state": state.state_dict(),
             "rng": get_rng_state(),
-            "data": data.state_dict(),
+            "data": data_state,
             "world_size": env.world_size,
             "dp_size": env.dp_size,
         }

@@ -5,6 +5,12 @@ norm (copied to pinned memory without waiting, `PendingScalars`) are read and lo
 stays a step ahead and never idles the device. Eval, checkpoints, a stop request and the last
 step read the current step at once (the device drains there anyway). A non-finite loss is
 therefore raised one step late, before anything is saved.
+
+The next step's packs are read while this step's backward runs (`_fetch`: right after the last
+backward is queued, before the optimizer step), and the first of them is copied to the device
+there, so the loader's wait, the host-side statistics and the pinned copy hide behind the GPU's
+backward instead of idling it at the step boundary. A checkpoint stores the loader's position from
+before that read, so resuming replays those packs.
 """
 
 from __future__ import annotations
@@ -113,6 +119,29 @@ def _install_sigterm(run: Run) -> Any:
 
 
 @dataclass(kw_only=True)
+class _Fetched:
+    """A step's packs, read (the first one already on its way to the device) ahead of it."""
+
+    batches: list[dict[str, Any]]
+    sums: dict[str, float]  # this rank's `batch_stats` plus the time blocked on the loader
+    lens: list[int]
+    data_state: dict[str, Any]  # the loader's position before these packs
+
+
+def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched:
+    t, env = run.cfg.trainer_args, run.env
+    state = run.data.state_dict()
+    t0 = time.perf_counter()
+    batches = [next(data_iter) for _ in range(t.gradient_accumulation_steps)]
+    wait = time.perf_counter() - t0
+    packing_length = run.cfg.dataset_config.packing_length
+    sums, lens = batch_stats(batches, flops_fn=flops_fn, packing_length=packing_length)
+    sums["data_wait"] = wait
+    batches[0] = move_batch(batches[0], env.device, run.spec.host_keys)  # after the stats' reads
+    return _Fetched(batches=batches, sums=sums, lens=lens, data_state=state)
+
+
+@dataclass(kw_only=True)
 class _Queued:
     """A step whose device work is queued and whose metrics are not read yet."""
 
@@ -159,13 +188,13 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
 
 def train_loop(run: Run) -> dict[str, Any]:
     """Train until `max_steps` (or SIGTERM); returns the last step's metrics."""
-    cfg, env, t = run.cfg, run.env, run.cfg.trainer_args
-    d = cfg.dataset_config
+    env, t = run.env, run.cfg.trainer_args
     phases = PhaseTimer(enabled=t.profile_step_breakdown, device=env.device)
     flops_fn = _flops_fn(run)
     previous = _install_sigterm(run)
     last: dict[str, Any] = {}
     queued: _Queued | None = None
+    upcoming: _Fetched | None = None  # the next step's packs, read during this step's backward
     data_iter = iter(run.data)
     run.model.train()
     profiler = StepProfiler(
@@ -175,11 +204,8 @@ def train_loop(run: Run) -> dict[str, Any]:
         while run.state.step < t.max_steps:
             profiler.before_step(run.state.step + 1)
             clock = StepClock(env.device)
-            t0 = time.perf_counter()
-            batches = [next(data_iter) for _ in range(t.gradient_accumulation_steps)]
-            t_data = time.perf_counter() - t0
-            sums, lens = batch_stats(batches, flops_fn=flops_fn, packing_length=d.packing_length)
-            sums["data_wait"] = t_data
+            fetched = upcoming or _fetch(run, data_iter, flops_fn)  # the first step reads here
+            upcoming, sums, lens = None, fetched.sums, fetched.lens
             sums["stop"] = float(run.stop_requested)
             reduced = dict(
                 zip(STAT_KEYS, env.all_reduce([sums[k] for k in STAT_KEYS]), strict=True)
@@ -193,12 +219,14 @@ def train_loop(run: Run) -> dict[str, Any]:
             loss_local = run_micro_batches(
                 model=run.model,
                 forward=run.forward,
-                batches=batches,
+                batches=fetched.batches,
                 device=env.device,
                 scale=1.0 / max(global_count, 1.0),
                 phases=phases,
                 host_keys=run.spec.host_keys,
             )
+            if run.state.step + 1 < t.max_steps and not reduced["stop"]:
+                upcoming = _fetch(run, data_iter, flops_fn)  # the GPU is busy with backward
             norm = grad_norm(run.optimizer, t.max_grad_norm, env.device)
             lr = run.scheduler.get_last_lr()[0]
             run.optimizer.step()
@@ -241,8 +269,8 @@ def train_loop(run: Run) -> dict[str, Any]:
             final = step == t.max_steps and t.save_final
             if periodic or final or stop or evaluating or step == t.max_steps:
                 last, queued = _finish(run, queued, phases), None
-            if periodic or final or stop:
-                _save(run)
+            if periodic or final or stop:  # the loader's position after this step's packs
+                _save(run, upcoming.data_state if upcoming else run.data.state_dict())
             if stop:
                 if env.is_main:
                     print(
@@ -260,7 +288,7 @@ def train_loop(run: Run) -> dict[str, Any]:
     return last
 
 
-def _save(run: Run) -> None:
+def _save(run: Run, data_state: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     path = run.checkpointer.save(
         step=run.state.step,
@@ -268,7 +296,7 @@ def _save(run: Run) -> None:
         optimizer=run.optimizer,
         scheduler=run.scheduler,
         state=run.state,
-        data=run.data,
+        data_state=data_state,
         env=run.env,
     )
     if run.env.is_main and "console" in run.cfg.trainer_args.report_to:
