@@ -129,14 +129,21 @@ class _Fetched:
 
 
 def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched:
+    """Read a step's packs. `data_read` is the host's time blocked on the loader; `data_wait`
+    the part of it the device may have idled for: all of it, unless a CUDA event recorded before
+    the read is still pending after it (the device was busy with earlier work throughout)."""
     t, env = run.cfg.trainer_args, run.env
     state = run.data.state_dict()
+    busy = torch.cuda.Event() if env.device.type == "cuda" else None
+    if busy is not None:
+        busy.record()
     t0 = time.perf_counter()
     batches = [next(data_iter) for _ in range(t.gradient_accumulation_steps)]
-    wait = time.perf_counter() - t0
+    read = time.perf_counter() - t0
+    hidden = busy is not None and not busy.query()  # a status check, not a synchronisation
     packing_length = run.cfg.dataset_config.packing_length
     sums, lens = batch_stats(batches, flops_fn=flops_fn, packing_length=packing_length)
-    sums["data_wait"] = wait
+    sums["data_read"], sums["data_wait"] = read, 0.0 if hidden else read
     batches[0] = move_batch(batches[0], env.device, run.spec.host_keys)  # after the stats' reads
     return _Fetched(batches=batches, sums=sums, lens=lens, data_state=state)
 
@@ -152,6 +159,7 @@ class _Queued:
     phases: list[tuple[str, Any]]
     global_count: float
     data_wait: float
+    data_read: float
     evaluate: bool  # validation after this step (its metrics are then read at once)
 
 
@@ -173,6 +181,7 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
         "step_time": dt,
         **host,
         "data_wait_fraction": q.data_wait / env.world_size / dt,
+        "data_read_fraction": q.data_read / env.world_size / dt,
         "peak_memory_gb": _peak_memory_gb(env.device),
         "bad_records": int(bad / env.sp),
         **phases.read(q.phases),
@@ -262,7 +271,8 @@ def train_loop(run: Run) -> dict[str, Any]:
             evaluating = evaluating and (step % t.eval_steps == 0 or step == t.max_steps)
             queued = _Queued(
                 step=step, clock=clock, values=values, host=host, phases=phases.take(),
-                global_count=global_count, data_wait=reduced["data_wait"], evaluate=evaluating,
+                global_count=global_count, data_wait=reduced["data_wait"], data_read=reduced["data_read"],
+                evaluate=evaluating,
             )  # fmt: skip
             stop = reduced["stop"] > 0
             periodic = t.save_steps and step % t.save_steps == 0

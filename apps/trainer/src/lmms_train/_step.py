@@ -50,6 +50,7 @@ STAT_KEYS = (
     "capacity",
     "packs",
     "data_wait",
+    "data_read",
     "stop",
 )
 
