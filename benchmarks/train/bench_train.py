@@ -295,21 +295,22 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
     # timed: step rows after warm-up, not profiled (the profiler slows the steps it records)
     rows = [r for r in rows if args.warmup < r.get("step", 0) not in profiled and "tokens" in r]
     dt = sum(r["step_time"] for r in rows)
+    share = lambda k: round(sum(r.get(k, 0.0) * r["step_time"] for r in rows) / dt, 4)  # noqa: E731
     out = {
         "case": name,
         "status": "ok",
         "steps": len(rows),
         "T": cfg["dataset_config"]["packing_length"],
         "tok_s": round(sum(r["tokens"] for r in rows) / dt),
-        "mfu": round(sum(r["mfu"] * r["step_time"] for r in rows) / dt, 4),
-        "mfu_lm": round(sum(r["mfu_lm"] * r["step_time"] for r in rows) / dt, 4),
+        "mfu": share("mfu"),
+        "mfu_lm": share("mfu_lm"),
         "peak_gib": round(max(r.get("peak_memory_gb", 0.0) for r in rows), 1),
-        "data_wait": round(sum(r["data_wait_fraction"] * r["step_time"] for r in rows) / dt, 4),
+        "data_wait": share("data_wait_fraction"),  # exposed: the device may have idled
+        "data_read": share("data_read_fraction"),  # all the host's time blocked on the loader
         "step_s": round(dt / len(rows), 3),
         "fill": round(sum(r["packing_fill_ratio"] for r in rows) / len(rows), 3),
         "wall_s": round(wall, 1),
-        # every timed step, so that one slow step (a recompile) shows apart from a slow run
-        "step_s_each": [round(r["step_time"], 3) for r in rows],
+        "step_s_each": [round(r["step_time"], 3) for r in rows],  # a lone slow step shows
         "layout": " ".join(f"{k}={v}" for k, v in ac_layout(case, args).items()),
         "compile": args.compile,
         "loss_backend": args.loss_backend,
@@ -321,8 +322,7 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
             Path(os.environ["OUT"], f"{name}.ops.txt").write_text(ops.read_text())
         summary = json.loads(syncs.read_text())
         out["host_waits"] = summary["totals"]
-        # CUDA's sync debug mode during the window: the Python lines that synchronised (the
-        # profiler's own `sites` come back without Python frames on the GPU)
+        # CUDA's sync debug mode during the window: the Python lines that synchronised
         out["sync_sites"] = [
             f"{s['count']}x at {' <- '.join(s['site'][:3]) or '?'}"
             for s in summary.get("debug_sites", [])[:8]
