@@ -185,7 +185,9 @@ def test_mask_mapping_skips_packed_sequence_detection(name, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)[:3]]
     spec.packed_forward(model, pack_samples(spec, model, samples))
-    skips = spec.mask_mapping or getattr(spec, "mrope_rows_only", False)
+    skips = spec.mask_mapping or any(
+        getattr(spec, flag, False) for flag in ("mrope_rows_only", "prepared_mask")
+    )
     assert bool(calls) != skips, (name, len(calls))
 
 
@@ -220,14 +222,42 @@ def test_media_merged_at_host_positions(name, monkeypatch):
             loss.backward()
         return loss.detach(), _grads(model), spy.names
 
+    # upstream's placeholder check and (Qwen3-VL) its boolean-mask deepstack step, counted
+    base_cls = type(spec.base_model(model))
+    reached = {"get_placeholder_mask": 0, "deepstack_by_mask": 0}
+
+    def counted(key, real):
+        def spy(*args, **kwargs):
+            reached[key] += 1
+            return real(*args, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(
+        base_cls,
+        "get_placeholder_mask",
+        counted("get_placeholder_mask", base_cls.get_placeholder_mask),
+    )
+    text_cls = type(spec.text_model(model))
+    if hasattr(text_cls, "_deepstack_process"):
+        real = text_cls._deepstack_process
+        monkeypatch.setattr(text_cls, "_deepstack_process", counted("deepstack_by_mask", real))
+
     loss, grads, names = step()
     assert ("masked_scatter" in names) != spec.host_merge, name
     if not spec.host_merge:
         return
     assert "index_copy" in names
+    assert reached == {"get_placeholder_mask": 0, "deepstack_by_mask": 0}, reached
+    if name == "qwen3_vl":
+        assert "index_add" in names  # deepstack at host positions
     monkeypatch.setattr(spec, "host_merge", False)  # upstream's masked_scatter merge
     ref_loss, ref_grads, ref_names = step()
     assert "masked_scatter" in ref_names
+    assert reached["get_placeholder_mask"] == 2  # images, videos
+    assert reached["deepstack_by_mask"] == (
+        len(model.config.vision_config.deepstack_visual_indexes) if name == "qwen3_vl" else 0
+    )
     assert torch.equal(loss, ref_loss)
     for k in ref_grads:
         assert torch.equal(grads[k], ref_grads[k]), k

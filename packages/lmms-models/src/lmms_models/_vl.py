@@ -62,9 +62,9 @@ class QwenVLSpec(ModelSpec):
     position_rows = 4
     #: Merge image/video features into the text embeddings at placeholder positions read on the
     #: host from ``mm_token_type_ids`` (:meth:`merge_media`) instead of upstream's
-    #: ``masked_scatter``, whose count check and backward read the device. Families whose
-    #: decoders need more than ``inputs_embeds`` from the merge (Qwen3-VL's deepstack masks) keep
-    #: the upstream path.
+    #: ``masked_scatter``, whose count check and backward read the device. A family whose
+    #: decoder needs more than ``inputs_embeds`` from the merge (Qwen3-VL's deepstack) passes it
+    #: on through :meth:`media_extras`.
     host_merge: bool = False
     #: Pass the decoder only the 3 mRoPE rows of ``position_ids`` (``[3, 1, T]``), not the text
     #: row. Qwen3-VL's text model builds its causal mask from the text row, and transformers then
@@ -147,6 +147,7 @@ class QwenVLSpec(ModelSpec):
         into its message) and its backward selects the features' gradient with ``masked_select``
         (a data-dependent size). Here the positions come from the host, are copied without
         waiting, and the backward is an ``index_select``. The count check stays, on the host.
+        A family adds keyword arguments of its own from the placed features (:meth:`media_extras`).
         """
         types = inputs.get("mm_token_type_ids")
         has_media = any(inputs.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
@@ -156,6 +157,7 @@ class QwenVLSpec(ModelSpec):
         input_ids = inputs["input_ids"]
         embeds = base.get_input_embeddings()(input_ids)  # [1, T, H]
         types = types.reshape(-1)
+        placed: list[tuple[torch.Tensor, Any]] = []
         media = (
             ("image", 1, "pixel_values", "image_grid_thw", base.get_image_features),
             ("video", 2, "pixel_values_videos", "video_grid_thw", base.get_video_features),
@@ -172,12 +174,22 @@ class QwenVLSpec(ModelSpec):
                     f"{where.numel()} tokens, {feats.shape[0]} features"
                 )
             embeds = embeds.index_copy(1, to_device(where, embeds.device), feats[None])
+            placed.append((where, out))
         merged = ("input_ids", "mm_token_type_ids", "pixel_values", "pixel_values_videos",
                   "image_grid_thw", "video_grid_thw", "second_per_grid_ts")  # fmt: skip
         return {
             **{k: v for k, v in inputs.items() if k not in merged},
             "inputs_embeds": embeds,
+            **self.media_extras(model, placed, embeds),
         }
+
+    def media_extras(
+        self, model: nn.Module, placed: list[tuple[torch.Tensor, Any]], embeds: torch.Tensor
+    ) -> dict[str, Any]:
+        """Extra keyword arguments of the base model call after :meth:`merge_media` placed the
+        features (default: none). ``placed``: per media kind in merge order, the host positions
+        ``[N]`` and the tower's output; ``embeds [1, T, H]``: the merged embeddings."""
+        return {}
 
     def pack_position_ids(
         self, batch: dict[str, Any], n_tokens: int, device: torch.device

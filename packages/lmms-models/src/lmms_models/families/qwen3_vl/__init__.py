@@ -1,16 +1,24 @@
 """Qwen3-VL (``Qwen3VLForConditionalGeneration``): Qwen3 decoder with interleaved mRoPE, a ViT with
 full attention everywhere and learned (interpolated) position embeddings, and *deepstack*: features
 of a few ViT layers are merged and added to the hidden states of the first decoder layers at the
-visual positions. The upstream model does all of that; the packed forward only feeds it."""
+visual positions. The upstream model does all of that; the packed forward only feeds it, and
+with host placeholder positions (``host_merge``) it merges the features itself without reading the
+device: the main features by ``index_copy``, deepstack by ``index_add`` (:func:`deepstack_by_index`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from ... import _flops
+from ..._attention import forward_pre_hook
 from ..._registry import register_model
+from ..._spec import to_device
 from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
 
 __all__ = ["Qwen3VLSpec"]
@@ -54,12 +62,92 @@ _TINY: dict[str, Any] = {
 }
 
 
+#: Keyword argument of the base model call carrying deepstack from :meth:`Qwen3VLSpec.merge_media`
+#: to the text model: ``(positions [N] long, per-layer features [N, H], tokens in the row)``.
+#: Upstream's base model hands its unknown keyword arguments on to the text model, where the hook
+#: of :func:`deepstack_by_index` takes this one out before the forward runs.
+DEEPSTACK_KEY = "lmms_deepstack"
+
+
+def _deepstack_features(out: Any) -> list[torch.Tensor]:
+    """The tower output's deepstack features as one ``[N, H]`` tensor per layer (transformers
+    5.17 keeps them whole; later versions split them per image like ``pooler_output``)."""
+    feats = out.deepstack_features or []
+    return [f if isinstance(f, torch.Tensor) else torch.cat(list(f), dim=0) for f in feats]
+
+
+@contextlib.contextmanager
+def deepstack_by_index(text_model: nn.Module) -> Iterator[None]:
+    """While active, the Qwen3-VL text model takes deepstack as positions instead of a mask.
+
+    A call with ``DEEPSTACK_KEY=(positions, features, T)`` becomes upstream's
+    ``visual_pos_masks=positions, deepstack_visual_embeds=features``, and the instance's
+    ``_deepstack_process`` adds a layer's features with ``index_add`` at integer positions.
+    Upstream indexes with the boolean mask (``hidden[mask] + embeds``, written back): a
+    ``nonzero`` whose size the host must read, forward and backward. Each visual position gets
+    the same single addition (bit-identical); the backward is an ``index_select``. Boolean masks
+    (upstream's own merge) still take upstream's path. Removed on exit.
+    """
+    upstream = text_model._deepstack_process
+
+    def process(hidden: torch.Tensor, where: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        if where.dtype == torch.bool:
+            return upstream(hidden, where, embeds)
+        # hidden [1, T, H], where [N], embeds [N, H]
+        return hidden.index_add(1, where, embeds.to(hidden.device, hidden.dtype)[None])
+
+    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        deep = kwargs.pop(DEEPSTACK_KEY, None)
+        if deep is None:
+            return args, kwargs
+        where, feats, n_tokens = deep
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is None or embeds.shape[1] != n_tokens:
+            raise NotImplementedError(
+                "Qwen3-VL deepstack positions cover the whole row of "
+                f"{n_tokens} tokens, the text model got "
+                f"{None if embeds is None else embeds.shape[1]}: a sliced row (Ulysses SP) is "
+                "not supported yet"
+            )
+        return args, {**kwargs, "visual_pos_masks": where, "deepstack_visual_embeds": feats}
+
+    own = vars(text_model).get("_deepstack_process")  # an instance patch already there, if any
+    text_model._deepstack_process = process
+    try:
+        with forward_pre_hook(text_model, hook):
+            yield
+    finally:
+        if own is None:
+            del text_model._deepstack_process
+        else:
+            text_model._deepstack_process = own
+
+
 @register_model("qwen3_vl")
 class Qwen3VLSpec(QwenVLSpec):
     processor_family = "qwen3_vl"
     config_class = "Qwen3VLConfig"
     model_class = "Qwen3VLForConditionalGeneration"
     mrope_rows_only = True  # its text model's mask preparation reads the text row on the host
+    host_merge = True  # deepstack too: media_extras + deepstack_by_index
+
+    def media_extras(
+        self, model: nn.Module, placed: list[tuple[torch.Tensor, Any]], embeds: torch.Tensor
+    ) -> dict[str, Any]:
+        """Deepstack at the placed positions: per layer, the features of every kind in merge
+        order (images, then videos) at the matching host positions, copied without waiting."""
+        if not placed:
+            return {}
+        where = torch.cat([w for w, _ in placed])  # [N] host
+        per_kind = [_deepstack_features(out) for _, out in placed]
+        feats = [torch.cat(layer, dim=0) for layer in zip(*per_kind, strict=True)]
+        return {DEEPSTACK_KEY: (to_device(where, embeds.device), feats, embeds.shape[1])}
+
+    @contextlib.contextmanager
+    def media_context(self, model: nn.Module) -> Iterator[None]:
+        """The tower hook of :class:`QwenVLSpec` and :func:`deepstack_by_index` on the text model."""
+        with super().media_context(model), deepstack_by_index(self.text_model(model)):
+            yield
 
     def host_vision_inputs(self, tower: Any, grid_thw: torch.Tensor) -> dict[str, Any]:
         """The learned position embedding's bilinear interpolation (indices, weights), rotary
