@@ -15,22 +15,55 @@ count; after ``sp_reduce_loss`` that is the token-weighted mean of the per-slice
 same rule as for micro-batches, not the aux of the whole row). With ``output_router_logits=False``
 (the default) the loss is the language-model loss only.
 
+Masks: the decoder (transformers 5.17 to 5.24) has no ``{layer type: mask}`` branch, so
+``mask_mapping`` cannot skip its mask preparation, which from ``position_ids`` alone looks for
+packed sequences and reads the answer on the host (one synchronisation per forward, for a mask
+varlen attention ignores). :meth:`Qwen3MoeSpec.media_context` hands it an empty 4-D mask instead,
+which upstream takes as prepared and returns as-is (:data:`PREPARED_MASK_SHAPE`).
+
 Expert parallelism comes later (lmms-parallel plans).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from ... import _flops
+from ..._attention import forward_pre_hook
 from ..._registry import register_model
 from ..._spec import ModelSpec
 from ..qwen2 import tiny_text
 
 __all__ = ["Qwen3MoeSpec"]
+
+#: The "prepared" attention mask the packed forward gives the decoder: upstream returns a 4-D
+#: mask as-is and hands it to every attention call, where lmms varlen attention ignores it (the
+#: pack's ``cu_seq_lens_q/k`` define the segments). Empty, so nothing is allocated, and any
+#: attention that would use it (upstream eager/SDPA) fails on its shape instead of attending
+#: across samples.
+PREPARED_MASK_SHAPE = (1, 1, 0, 0)
+
+
+@contextlib.contextmanager
+def prepared_empty_mask(text_model: nn.Module) -> Iterator[None]:
+    """While active, a call of ``text_model`` with the pack's ``cu_seq_lens_q`` (varlen attention)
+    and no ``attention_mask`` gets the empty prepared mask, so transformers skips its mask
+    preparation and the packed-sequence search it does there (a host read of ``position_ids``)."""
+
+    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None or kwargs.get("attention_mask") is not None:
+            return args, kwargs
+        mask = torch.empty(PREPARED_MASK_SHAPE, dtype=torch.bool, device=cu.device)
+        return args, {**kwargs, "attention_mask": mask}
+
+    with forward_pre_hook(text_model, hook):
+        yield
 
 
 @register_model("qwen3_moe")
@@ -38,6 +71,12 @@ class Qwen3MoeSpec(ModelSpec):
     processor_family = "qwen3"
     config_class = "Qwen3MoeConfig"
     model_class = "Qwen3MoeForCausalLM"
+    #: No ``mask_mapping`` (see the module docstring): :func:`prepared_empty_mask` instead.
+    prepared_mask = True
+
+    def media_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """The packed forward's context: :func:`prepared_empty_mask` on the text decoder."""
+        return prepared_empty_mask(self.text_model(model))
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         moe = dict(

@@ -1,0 +1,69 @@
+"""A packed training step (forward and backward) reads nothing from the device on the host.
+
+On a GPU each such read (``.item()``, ``.tolist()``, a data-dependent size, a device-valued
+``if``) makes the host wait for the stream. Here on CPU, :class:`_sync.DeviceReads` follows what
+the trainer keeps on the device (parameters, buffers, the batch but the family's ``host_keys``)
+and records every op that would read it. The CPU reference attention backend (``varlen_sdpa``,
+a per-segment loop over host boundaries) is left out: GPU runs use the FlashAttention kernels.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmms_kernels import _attention as kernels_attention
+from lmms_models import get_model_spec
+from lmms_models.testing import make_sample, pack_samples
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _sync import DeviceReads, device_tensors
+from test_packed_parity import TEXT_FAMILIES, VL_FAMILIES, _samples
+
+
+def _step_reads(name: str, **spec_attrs) -> list[str]:
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
+    gen = torch.Generator().manual_seed(1)
+    samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)]
+    batch = pack_samples(spec, model, samples)
+    rec = DeviceReads(ignore=(kernels_attention._sdpa,))
+    rec.device(device_tensors(model, batch, spec.host_keys))
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in spec_attrs.items():
+            mp.setattr(spec, key, value)
+        with rec:
+            loss, _ = spec.packed_forward(model, batch)
+            loss.backward()
+    return rec.reads
+
+
+@pytest.mark.parametrize("name", TEXT_FAMILIES + VL_FAMILIES)
+def test_packed_step_reads_nothing_from_the_device(name):
+    spec = get_model_spec(name)
+    if spec.position_rows > 1 and not spec.host_keys:
+        pytest.skip("this transformers does not accept precomputed vision inputs")
+    assert _step_reads(name) == []
+
+
+def test_reads_of_upstream_paths_are_found():
+    """The recorder sees upstream's reads: Qwen3-VL's merge (placeholder count check, deepstack's
+    boolean indexing) and Qwen3-MoE's mask preparation (the packed-sequence search)."""
+    if not get_model_spec("qwen3_vl").host_keys:
+        pytest.skip("this transformers does not accept precomputed vision inputs")
+    reads = _step_reads("qwen3_vl", host_merge=False)
+    assert "aten::_local_scalar_dense" in reads  # the placeholder count check
+    assert "aten::index (bool index)" in reads  # deepstack: hidden[visual_pos_masks]
+    assert "aten::index_put_ (bool index)" in reads  # ... written back
+
+    spec = get_model_spec("qwen3_moe")
+    plain = type(spec).__mro__[1].media_context  # ModelSpec's: no prepared mask
+    assert _step_reads("qwen3_moe", media_context=lambda model: plain(spec, model)) == [
+        "Tensor.__bool__",
+        "aten::_local_scalar_dense",
+    ]
