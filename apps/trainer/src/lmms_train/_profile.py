@@ -153,14 +153,16 @@ class SyncLog:
         self.sites[tuple(["[backward]", *site] if in_backward else site)] += 1
 
     def __enter__(self) -> SyncLog:
+        if torch.cuda.is_available():  # without a device only explicit warnings are logged
+            # switched on before the capture: on a fresh process the switch itself warned once
+            # (2026-12-03, H200), which is the log's own doing, not the step's
+            self._mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
         self._catch = warnings.catch_warnings()
         self._catch.__enter__()
         warnings.filterwarnings("always", message=".*synchroniz")
         self._shown = warnings.showwarning
         warnings.showwarning = self._show
-        if torch.cuda.is_available():  # without a device only explicit warnings are logged
-            self._mode = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc: Any) -> None:
