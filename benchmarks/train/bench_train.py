@@ -87,60 +87,12 @@ def ac_layout(case: dict, args) -> dict:
 
 
 WORDS = [
-    "the",
-    "a",
-    "of",
-    "to",
-    "and",
-    "in",
-    "is",
-    "it",
-    "that",
-    "for",
-    "on",
-    "with",
-    "as",
-    "was",
-    "by",
-    "at",
-    "from",
-    "this",
-    "be",
-    "are",
-    "or",
-    "an",
-    "which",
-    "one",
-    "image",
-    "shows",
-    "red",
-    "blue",
-    "green",
-    "circle",
-    "square",
-    "triangle",
-    "large",
-    "small",
-    "left",
-    "right",
-    "top",
-    "bottom",
-    "count",
-    "there",
-    "two",
-    "three",
-    "four",
-    "colour",
-    "shape",
-    "next",
-    "under",
-    "above",
-    "between",
-    "object",
-    "picture",
-    "describe",
-    "answer",
-]
+    "the", "a", "of", "to", "and", "in", "is", "it", "that", "for", "on", "with", "as", "was",
+    "by", "at", "from", "this", "be", "are", "or", "an", "which", "one", "image", "shows",
+    "red", "blue", "green", "circle", "square", "triangle", "large", "small", "left", "right",
+    "top", "bottom", "count", "there", "two", "three", "four", "colour", "shape", "next",
+    "under", "above", "between", "object", "picture", "describe", "answer"
+]  # fmt: skip
 
 
 def make_records(n: int, seed: int, *, images: bool, tiny: bool) -> list[dict]:
@@ -227,6 +179,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             **ac_layout(case, args),
             "reshard_after_forward": not args.keep,
             "fsdp": True if args.fsdp else None,  # None: FSDP2 only on several processes
+            "gradient_accumulation_steps": args.ga,
             "save_final": False,
             "report_to": [],
             "profile_step_breakdown": True,
@@ -517,6 +470,7 @@ def main() -> None:
     )
     p.add_argument("--compile", action="store_true", help="trainer_args.compile: blocks compiled")
     p.add_argument("--fsdp", action="store_true", help="trainer_args.fsdp: true (one-rank FSDP2)")
+    p.add_argument("--ga", type=int, default=1, help="trainer_args.gradient_accumulation_steps")
     p.add_argument(
         "--loss-backend",
         default="auto",
