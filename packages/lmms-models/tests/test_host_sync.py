@@ -13,25 +13,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from lmms_kernels import _attention as kernels_attention
 from lmms_models import get_model_spec
-from lmms_models.testing import make_sample, pack_samples
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _sync import DeviceReads, device_tensors
-from test_packed_parity import TEXT_FAMILIES, VL_FAMILIES, _samples
+from test_packed_parity import TEXT_FAMILIES, VL_FAMILIES, tiny_pack
 
 
 def _step_reads(name: str, **spec_attrs) -> list[str]:
-    torch.manual_seed(0)
-    spec = get_model_spec(name)
-    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
-    gen = torch.Generator().manual_seed(1)
-    samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)]
-    batch = pack_samples(spec, model, samples)
+    spec, model, batch = tiny_pack(name)
     rec = DeviceReads(ignore=(kernels_attention._sdpa,))
     rec.device(device_tensors(model, batch, spec.host_keys))
     with pytest.MonkeyPatch.context() as mp:

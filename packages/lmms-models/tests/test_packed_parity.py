@@ -32,6 +32,16 @@ def _grads(model):
     return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
+def tiny_pack(name: str, n_samples: int | None = None):
+    """(spec, tiny model with varlen SDPA, one packed row of the family's test samples)."""
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
+    gen = torch.Generator().manual_seed(1)
+    samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)[:n_samples]]
+    return spec, model, pack_samples(spec, model, samples)
+
+
 def _check(name: str, reference_attn: str):
     torch.manual_seed(0)
     spec = get_model_spec(name)
@@ -127,11 +137,7 @@ def test_vision_inputs_precomputed_on_the_host(name, monkeypatch):
         pytest.skip("this transformers does not accept precomputed vision inputs")
     upstream = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     helper, key = _HOST_CHECK[name]
-    torch.manual_seed(0)
-    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
-    gen = torch.Generator().manual_seed(1)
-    samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)]
-    batch = pack_samples(spec, model, samples)
+    spec, model, batch = tiny_pack(name)
     given = []
     real = getattr(upstream, helper)
 
@@ -179,12 +185,8 @@ def test_mask_mapping_skips_packed_sequence_detection(name, monkeypatch):
         return real(position_ids)
 
     monkeypatch.setattr(mu, "find_packed_sequence_indices", spy)
-    torch.manual_seed(0)
-    spec = get_model_spec(name)
-    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
-    gen = torch.Generator().manual_seed(1)
-    samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)[:3]]
-    spec.packed_forward(model, pack_samples(spec, model, samples))
+    spec, model, batch = tiny_pack(name, 3)
+    spec.packed_forward(model, batch)
     skips = spec.mask_mapping or any(
         getattr(spec, flag, False) for flag in ("mrope_rows_only", "prepared_mask")
     )
@@ -208,12 +210,7 @@ def test_media_merged_at_host_positions(name, monkeypatch):
             self.names.append(getattr(func, "__name__", ""))
             return func(*args, **(kwargs or {}))
 
-    torch.manual_seed(0)
-    spec = get_model_spec(name)
-    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
-    gen = torch.Generator().manual_seed(1)
-    samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)]
-    batch = pack_samples(spec, model, samples)
+    spec, model, batch = tiny_pack(name)
 
     def step():
         model.zero_grad(set_to_none=True)
