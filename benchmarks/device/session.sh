@@ -73,6 +73,7 @@ for s in $STAGES; do
     synctests) stage gpu_tests 130 python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/lmms-models/tests/test_gpu_packed.py::test_qwen2_5_vl_tower_runs_without_host_sync_from_host_grids \
       tests/test_one_process_fsdp.py::test_steady_state_step_never_waits_for_the_device \
+      tests/test_one_process_fsdp.py::test_master_weights_match_fsdp2_on_the_gpu \
       packages/lmms-kernels/tests/test_flce_triton.py ;;
     flce) stage bench_flce 60 python3 benchmarks/kernels/bench_flce.py --tokens 16384 --iters 5 ;;
     rope) stage bench_rope 120 python3 benchmarks/models/bench_rope.py --tokens 16384 --layers 4 ;;
