@@ -236,6 +236,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             )
             if run.state.step + 1 < t.max_steps and not reduced["stop"]:
                 upcoming = _fetch(run, data_iter, flops_fn)  # the GPU is busy with backward
+                phases.mark("data")  # the next pack's copy to the device, not the optimizer's
             norm = grad_norm(run.optimizer, t.max_grad_norm, env.device)
             lr = run.scheduler.get_last_lr()[0]
             run.optimizer.step()
