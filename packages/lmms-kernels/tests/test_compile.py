@@ -63,6 +63,39 @@ def test_custom_op_matches_eager_backend(causal):
         torch.testing.assert_close(flex, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_path_pads_head_dims_with_the_unpadded_scale(monkeypatch):
+    """Compiled, FA4's head-dim padding happens in the traced code (Inductor fuses it): q/k/v
+    zero-padded, the unpadded softmax scale, the output sliced back. Values and gradients equal
+    the unpadded attention (sdpa stands in for FA4 here: the padding is forced)."""
+    import lmms_kernels._attention as A
+
+    seen = []
+
+    def as_if_fa4(backend, device_type):
+        seen.append(backend)
+        return "fa4"
+
+    monkeypatch.setattr(A, "_traced_backend", torch.compiler.assume_constant_result(as_if_fa4))
+    pads, real_pad = [], A._fa4_pad_to
+    monkeypatch.setattr(A, "_fa4_pad_to", lambda d, dv: pads.append(real_pad(d, dv)) or pads[-1])
+    gen = torch.Generator().manual_seed(3)
+    total, h, kv, d = 45, 4, 2, 80
+    cu = random_cu_seqlens(total, 5, gen)
+    mx = int(torch.diff(cu).max())
+    q, k, v = _qkv(total, h, kv, d, gen)
+    g = torch.randn(total, h, d, generator=gen)
+
+    def attend(q, k, v):
+        return lk.varlen_attention(q, k, v, cu, cu, mx, mx, causal=True, backend="sdpa")
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    want, got = _grads(attend, q, k, v, g), _grads(compiled, q, k, v, g)
+    assert seen == ["sdpa"] and pads == [128]  # decided once, at trace time
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_opcheck():
     gen = torch.Generator().manual_seed(3)
     cu = torch.tensor([0, 5, 12, 20], dtype=torch.int32)

@@ -49,6 +49,30 @@ def test_custom_op_matches_eager_backend_gpu(backend, head_dim, causal):
             )
 
 
+@pytest.mark.parametrize("head_dim", [80, 128])
+def test_compiled_fa4_pads_head_dims_in_the_trace_gpu(head_dim):
+    """Inductor-compiled `varlen_attention` on FA4 pads q/k/v in the traced code (head dim 80:
+    Qwen2.5-VL's vision tower) and equals the eager call, which pads inside the kernel call."""
+    if "fa4" not in lk.available_backends("cuda"):
+        pytest.skip("fa4 not installed")
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(head_dim)
+    total, h = 900, 16
+    cu = random_cu_seqlens(total, 7, gen).cuda()
+    mx = int(torch.diff(cu).max())
+    q, k, v = (torch.randn(total, h, head_dim, generator=gen).cuda().bfloat16() for _ in range(3))
+    g = torch.randn(total, h, head_dim, generator=gen).cuda().bfloat16()
+
+    def attend(q, k, v):
+        return lk.varlen_attention(q, k, v, cu, cu, mx, mx, causal=False, backend="fa4")
+
+    compiled = torch.compile(attend, fullgraph=True)
+    want, got = _grads(attend, q, k, v, g), _grads(compiled, q, k, v, g)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=name)
+
+
 def _set_attn(model, name):
     for attr in ("text_config", "vision_config"):
         sub = getattr(model.config, attr, None)
