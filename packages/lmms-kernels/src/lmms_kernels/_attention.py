@@ -110,6 +110,11 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
     return out
 
 
+# What "auto" resolved to per device type, recorded on the host by `resolve_backend`: compiled
+# code reads it as a constant of the trace (resolving there would trace module lookups).
+_AUTO: dict[str, str] = {}
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """Map ``"auto"`` to the fastest backend for ``device``; check an explicit one is usable.
 
@@ -121,9 +126,11 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         )
     avail = available_backends(device)
     if backend == "auto":
-        if torch.device(device).type != "cuda":
-            return "sdpa"
-        return avail[0]
+        kind = torch.device(device).type
+        name = "sdpa" if kind != "cuda" else avail[0]
+        if _AUTO.get(kind) != name:  # written once: a compiled graph guards on this dict
+            _AUTO[kind] = name
+        return name
     if backend not in avail:
         raise RuntimeError(
             f"attention backend {backend!r} is not available on {device}: {_INSTALL_HINT[backend]}. "
@@ -165,7 +172,8 @@ def varlen_attention(
         # A 0-d tensor max length (Qwen-VL vision attention) becomes -1: the op's kernel reads
         # it from cu_seqlens on the host, as the eager path's ``int()`` does.
         d, dv = q.shape[-1], v.shape[-1]
-        pad = _fa4_pad_to(d, dv) if _traced_backend(backend, q.device.type) == "fa4" else 0
+        name = _AUTO.get(q.device.type) if backend == "auto" else backend
+        pad = _fa4_pad_to(d, dv) if name == "fa4" else 0
         if pad:  # zero-padded here, so Inductor fuses the pads into q/k/v's producers
             softmax_scale = d**-0.5 if softmax_scale is None else softmax_scale
             q, k, v = F.pad(q, (0, pad - d)), F.pad(k, (0, pad - d)), F.pad(v, (0, pad - dv))
@@ -258,12 +266,6 @@ def _fa4_pad(q, k, v):
         return q, k, v, 0, 0
     pq, pv = padded - d, padded - dv
     return F.pad(q, (0, pq)), F.pad(k, (0, pq)), F.pad(v, (0, pv)), pq, pv
-
-
-@torch.compiler.assume_constant_result
-def _traced_backend(backend: str, device_type: str) -> str:
-    """The backend `backend` resolves to, as a constant of the trace (decided on the host)."""
-    return resolve_backend(backend, device_type)
 
 
 def _fa4_pad_to(d: int, dv: int) -> int:

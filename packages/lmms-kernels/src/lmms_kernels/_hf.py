@@ -160,6 +160,8 @@ def register_varlen_attention(
 
     if backend != "auto":
         resolve_backend(backend, "cuda" if backend in ("fa4", "fa", "torch") else "cpu")
+    elif torch.cuda.is_available():  # recorded for compiled code (`_attention._AUTO`)
+        resolve_backend(backend, "cuda")
     AttentionInterface.register(name, _make_attention_fn(backend, wrapper))
     _register_mask(name)
     return name
