@@ -1,5 +1,6 @@
-"""`export_hf: true` writes the fp32 weights of the run, loadable by `from_pretrained`: the same
-file from the one-process default (bf16 module, fp32 masters) as from one-rank FSDP2."""
+"""`export_hf: true` writes the fp32 weights of the run, loadable by `from_pretrained`, under the
+hub's names: the same file from the one-process default (bf16 module, fp32 masters) as from
+one-rank FSDP2."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def no_torchrun(monkeypatch):
 def test_export_writes_the_fp32_masters_and_loads(tiny_inputs, tmp_path, no_torchrun):
     from lmms_models import get_model_spec
 
-    loaded = {}
+    loaded, written = {}, {}
     for fsdp in (None, True):
         out = tmp_path / f"fsdp_{fsdp}"
         cfg = tiny_config(
@@ -31,9 +32,12 @@ def test_export_writes_the_fp32_masters_and_loads(tiny_inputs, tmp_path, no_torc
         )
         train(config_from_dict(cfg))
         (shard,) = sorted((out / "hf").glob("*.safetensors"))
-        assert {v.dtype for v in load_file(str(shard)).values()} == {torch.float32}
+        written[fsdp] = load_file(str(shard))
+        assert {v.dtype for v in written[fsdp].values()} == {torch.float32}
         model = get_model_spec("qwen2_5_vl").build(pretrained=str(out / "hf"))
         loaded[fsdp] = model.state_dict()
+    assert written[None].keys() == written[True].keys()  # the hub's names from both paths
+    assert any(k.startswith("model.layers.") for k in written[True]), sorted(written[True])[:4]
     assert loaded[None].keys() == loaded[True].keys()
     for key, value in loaded[None].items():  # both paths trained the same weights, bit for bit
         assert torch.equal(value, loaded[True][key]), key

@@ -9,6 +9,7 @@ plain safetensors shards with an index.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -54,7 +55,7 @@ def export_hf(
     out.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
         full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
-    save_pretrained = getattr(model, "save_pretrained", None)
+    save_pretrained = getattr(_unwrapped(model), "save_pretrained", None)
     if save_pretrained is not None:
         save_pretrained(
             str(out), state_dict=full, safe_serialization=True, max_shard_size=max_shard_size
@@ -64,6 +65,22 @@ def export_hf(
     if dist.is_initialized():
         dist.barrier()
     return out
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """``model``, or for an FSDP2-wrapped transformers model a weightless (meta) instance of its
+    own class: transformers finds the key renaming it reverts on save (e.g. Qwen2.5-VL's
+    ``model.language_model.*`` back to the hub's ``model.*``) by class name, which FSDP2's
+    wrapper class (``FSDP<Name>``) hides, so the wrapped model would write its internal names."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule) or not hasattr(model, "config"):
+        return model
+    cls = next(c for c in type(model).__mro__[1:] if not issubclass(c, FSDPModule))
+    with torch.device("meta"):  # eager attention: the run's may be registered under any name
+        twin = cls._from_config(copy.deepcopy(model.config), attn_implementation="eager")
+    twin.config = model.config  # what config.json says is the run's config
+    return twin
 
 
 def _write_plain(state: dict[str, torch.Tensor], out: Path, shard_bytes: int = 5 << 30) -> None:
