@@ -1,4 +1,5 @@
-"""Shared helpers for the lmms-kernels tests: random packings and a dense masked reference."""
+"""Shared helpers for the lmms-kernels tests: random packings and a dense masked reference, and
+the fused linear cross-entropy's random cases and its check against logits + cross-entropy."""
 
 from __future__ import annotations
 
@@ -109,3 +110,50 @@ def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
 def text_forward(model, ids: torch.Tensor) -> torch.Tensor:
     """Logits of a plain text batch (also for VL models: no images)."""
     return model(input_ids=ids).logits
+
+
+# ---------------------------------------------------------------- fused linear cross-entropy
+
+FLCE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def flce_case(t, hd, v, dtype, gen, *, frac_ignored=0.3, ignore_index=-100, bias=False):
+    """Hidden states [t, hd], weight [v, hd], optional bias [v] (all requiring grad), labels [t]
+    with about `frac_ignored` of them `ignore_index`."""
+    h = (torch.randn(t, hd, generator=gen) * 0.5).to(dtype).requires_grad_()
+    w = (torch.randn(v, hd, generator=gen) * 0.2).to(dtype).requires_grad_()
+    b = (torch.randn(v, generator=gen) * 0.1).to(dtype).requires_grad_() if bias else None
+    y = torch.randint(0, v, (t,), generator=gen)
+    y[torch.rand(t, generator=gen) < frac_ignored] = ignore_index
+    return h, w, b, y
+
+
+def check_flce(loss, n, h, w, b, y, *, ignore_index=-100, grad_scale=0.5):
+    """`(loss, n)` of a fused linear cross-entropy against fp32 logits + summed cross-entropy:
+    dtypes, token count, value, and the gradients of `loss * grad_scale` for h, w (and b)."""
+    dtype = h.dtype
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert n.dtype == torch.int64 and int(n) == int((y != ignore_index).sum())
+    logits = h.float() @ w.float().T + (b.float() if b is not None else 0)
+    ref = F.cross_entropy(logits, y, reduction="sum", ignore_index=ignore_index)
+    torch.testing.assert_close(loss, ref, **FLCE_TOL[dtype])
+    params = [x for x in (h, w, b) if x is not None]
+    grads = torch.autograd.grad(loss * grad_scale, params)
+    refs = torch.autograd.grad(ref * grad_scale, params)
+    for g, r in zip(grads, refs, strict=True):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.float(), r.float(), **FLCE_TOL[dtype])
+
+
+def check_flce_frozen_weight_and_no_grad(h, w, y, backend):
+    """A frozen weight gets no gradient (the hidden states do), and under `no_grad` the loss is
+    the same value."""
+    import lmms_kernels as lk
+
+    w.requires_grad_(False)
+    loss, _ = lk.fused_linear_cross_entropy(h, w, y, backend=backend)
+    loss.backward()
+    assert w.grad is None and h.grad is not None
+    with torch.no_grad():
+        again, _ = lk.fused_linear_cross_entropy(h, w, y, backend=backend)
+    torch.testing.assert_close(again, loss.detach())

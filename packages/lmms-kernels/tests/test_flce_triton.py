@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from _kernels_ref import FLCE_TOL, check_flce, check_flce_frozen_weight_and_no_grad, flce_case
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -24,7 +25,6 @@ pytest.importorskip("triton")
 from lmms_kernels import _flce_triton  # needs triton
 
 T, HD, V = 37, 24, 1000  # V is not a multiple of the interpreter's 128-column block
-TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -53,17 +53,7 @@ def test_under_interpreter():
 
 def _case(dtype, *, bias, ignore_index=-100, seed=0, t=T):
     gen = torch.Generator().manual_seed(seed)
-    h = (torch.randn(t, HD, generator=gen) * 0.5).to(dtype).requires_grad_()
-    w = (torch.randn(V, HD, generator=gen) * 0.2).to(dtype).requires_grad_()
-    b = (torch.randn(V, generator=gen) * 0.1).to(dtype).requires_grad_() if bias else None
-    y = torch.randint(0, V, (t,), generator=gen)
-    y[torch.rand(t, generator=gen) < 0.15] = ignore_index
-    return h, w, b, y
-
-
-def _reference(h, w, b, y, ignore_index):
-    logits = h.float() @ w.float().T + (b.float() if b is not None else 0)
-    return F.cross_entropy(logits, y, reduction="sum", ignore_index=ignore_index)
+    return flce_case(t, HD, V, dtype, gen, frac_ignored=0.15, ignore_index=ignore_index, bias=bias)
 
 
 @interpreted
@@ -77,10 +67,10 @@ def test_kernel_matches_reference(dtype, ignore_index):
     ref_loss, ref_grad = _flce_triton.ce_rows_reference(x, y, ignore_index)
     logits = x.clone()
     loss = _flce_triton.ce_rows(logits, y, ignore_index, write_grad=False)
-    torch.testing.assert_close(loss, ref_loss, **TOL[torch.float32])
+    torch.testing.assert_close(loss, ref_loss, **FLCE_TOL[torch.float32])
     assert torch.equal(logits, x)  # no grad pass requested: the buffer is untouched
     loss = _flce_triton.ce_rows(logits, y, ignore_index, write_grad=True)
-    torch.testing.assert_close(loss, ref_loss, **TOL[torch.float32])
+    torch.testing.assert_close(loss, ref_loss, **FLCE_TOL[torch.float32])
     torch.testing.assert_close(
         logits, ref_grad, atol=1e-6 if dtype == torch.float32 else 4e-3, rtol=0
     )
@@ -98,16 +88,7 @@ def test_matches_cross_entropy(dtype, bias):
         loss, n = lk.fused_linear_cross_entropy(
             h, w, y, bias=b, ignore_index=ignore_index, backend="triton", memory_budget_bytes=budget
         )
-        assert loss.dtype == torch.float32 and loss.dim() == 0
-        assert n.dtype == torch.int64 and int(n) == int((y != ignore_index).sum())
-        ref = _reference(h, w, b, y, ignore_index)
-        torch.testing.assert_close(loss, ref, **TOL[dtype])
-        params = [x for x in (h, w, b) if x is not None]
-        grads = torch.autograd.grad(loss * 0.37, params)
-        refs = torch.autograd.grad(ref * 0.37, params)
-        for g, r in zip(grads, refs, strict=True):
-            assert g.dtype == dtype
-            torch.testing.assert_close(g.float(), r.float(), **TOL[dtype])
+        check_flce(loss, n, h, w, b, y, ignore_index=ignore_index, grad_scale=0.37)
 
 
 _PY_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "equal"}
@@ -173,13 +154,7 @@ def test_no_host_sync():
 @interpreted
 def test_no_grad_and_frozen_weight():
     h, w, _, y = _case(torch.float32, bias=False, seed=2)
-    w.requires_grad_(False)
-    loss, _ = lk.fused_linear_cross_entropy(h, w, y, backend="triton")
-    loss.backward()
-    assert w.grad is None and h.grad is not None
-    with torch.no_grad():
-        l2, _ = lk.fused_linear_cross_entropy(h, w, y, backend="triton")
-    torch.testing.assert_close(l2, loss.detach())
+    check_flce_frozen_weight_and_no_grad(h, w, y, "triton")
     y[:] = -100
     loss, n = lk.fused_linear_cross_entropy(h, w, y, backend="triton")
     (gh,) = torch.autograd.grad(loss, (h,))
