@@ -57,6 +57,32 @@ def test_freeze_and_optimizers(tiny):
         p.requires_grad_(True)
 
 
+def test_optimizer_groups_over_master_weights(tiny):
+    """With MasterWeights the model's names and modules still decide the groups (no decay on
+    norms and biases; Muon off the embeddings and the head), and every stepped tensor is an fp32
+    master, written back after the step."""
+    from lmms_parallel import MasterWeights
+
+    spec, conf, _ = tiny
+    torch.manual_seed(0)
+    model = spec.build(config=conf, attn_backend="sdpa")
+    head, norm = spec.lm_head(model).weight, model.model.language_model.norm.weight
+    mw = MasterWeights(model)
+    masters = {id(m) for m in mw.parameters()}
+    [head_m, norm_m] = mw.map_params([head, norm])
+    t = _cfg(optimizer="muon", learning_rate=1e-3).trainer_args
+    muon = {g["use_muon"]: g for g in build_optimizer(model, spec, t, mw).param_groups}
+    assert any(p is head_m for p in muon[False]["params"])  # the head's master: AdamW
+    assert not any(p is head_m for p in muon[True]["params"])
+    assert muon[True]["params"] and all(p.ndim >= 2 for p in muon[True]["params"])
+    adamw = build_optimizer(model, spec, _cfg(weight_decay=0.1).trainer_args, mw)
+    decay = {g["weight_decay"]: g["params"] for g in adamw.param_groups}
+    assert any(p is norm_m for p in decay[0.0]) and not any(p is norm_m for p in decay[0.1])
+    stepped = [p for g in adamw.param_groups for p in g["params"]]
+    assert {id(p) for p in stepped} == masters
+    assert all(p.dtype == torch.float32 for p in stepped) and head.dtype == torch.bfloat16
+
+
 def test_call_through_root_runs_hooks():
     m = torch.nn.Linear(2, 2)
     seen = []

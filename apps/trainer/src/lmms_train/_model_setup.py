@@ -4,8 +4,8 @@ Order (STYLE.md #3): build (on several ranks: on the meta device, with the weigh
 randomly initialised once on rank 0; on one process: directly on the device) -> freeze -> Liger
 -> attention (+ Ulysses wrapper) -> activation checkpointing -> compile (per block) -> FSDP2 ->
 materialise and load the weights (rank 0 broadcasts into every rank's shards). Without FSDP2
-(`fsdp: false`, one process) bf16 comes from `lmms_parallel.MasterWeights` instead, last: the
-same arithmetic as FSDP2's MixedPrecisionPolicy without its one-rank copies.
+(one process, unless `fsdp: true`) bf16 comes from `lmms_parallel.MasterWeights` instead, last:
+the same arithmetic as FSDP2's MixedPrecisionPolicy without its one-rank copies.
 """
 
 from __future__ import annotations

@@ -35,16 +35,14 @@ def build_optimizer(
 
 
 def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.optim.Optimizer:
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     excluded = {  # Muon's exclusions, by the model's own modules
         id(p) for m in [*spec.embeddings(model), spec.lm_head(model)] for p in m.parameters()
     }
-    if master is not None:  # the model's names and modules decide the groups; masters are stepped
-        names, params = zip(*named, strict=True)
-        named = list(zip(names, master.map_params(list(params)), strict=True))
-        excluded = {
-            id(p) for p in master.map_params([p for p in model.parameters() if id(p) in excluded])
-        }
+    takes_muon = [p.ndim >= 2 and id(p) not in excluded for p in params]
+    # the model's names and modules decide the groups; the optimizer steps the masters, if any
+    stepped = master.map_params(list(params)) if master is not None else list(params)
+    named = list(zip(names, stepped, strict=True))
     if t.optimizer == "adamw":
         decay = [p for n, p in named if not _no_decay(n, p)]
         other = [p for n, p in named if _no_decay(n, p)]
@@ -68,8 +66,8 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
         )
     from lmms_optim import Muon
 
-    muon = [p for n, p in named if p.ndim >= 2 and id(p) not in excluded]
-    adamw = [p for n, p in named if not (p.ndim >= 2 and id(p) not in excluded)]
+    muon = [p for p, m in zip(stepped, takes_muon, strict=True) if m]
+    adamw = [p for p, m in zip(stepped, takes_muon, strict=True) if not m]
     groups = []
     if muon:
         groups.append(

@@ -64,7 +64,7 @@ class MasterWeights:
         if any(not p.is_floating_point() for p in trainable.values()):
             raise ValueError("MasterWeights: trainable parameters must be floating point")
         (device,) = devices
-        self.model, self.dtype = model, dtype
+        self.model = model
         offsets, total = {}, 0
         for name, p in trainable.items():
             offsets[name] = total
@@ -72,7 +72,7 @@ class MasterWeights:
         self._flat_model = torch.empty(total, dtype=dtype, device=device)
         self._flat_master = torch.zeros(total, dtype=torch.float32, device=device)
         self.masters: dict[str, nn.Parameter] = {}
-        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (compute weight, master)
+        self._master_of: dict[int, nn.Parameter] = {}  # id(compute weight) -> its master
         with torch.no_grad():
             for name, p in trainable.items():
                 a, b = offsets[name], offsets[name] + p.numel()
@@ -81,14 +81,11 @@ class MasterWeights:
                 compute = self._flat_model[a:b].view(p.shape)
                 compute.copy_(master)
                 p.data = compute
-                self.masters[name] = nn.Parameter(master)
-                self._pairs.append((p, self.masters[name]))
+                self.masters[name] = self._master_of[id(p)] = nn.Parameter(master)
+                p.register_post_accumulate_grad_hook(self._to_master(self.masters[name]))
             for p in params.values():
                 if not p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(dtype)
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._to_master(m)) for p, m in self._pairs
-        ]
         self._mirror: nn.Module | None = None
 
     @staticmethod
@@ -109,8 +106,7 @@ class MasterWeights:
     def map_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """`params` of the model with each trainable one replaced by its master (to build
         optimizer parameter groups from the model's names and modules)."""
-        by_id = {id(p): m for p, m in self._pairs}
-        return [by_id.get(id(p), p) for p in params]
+        return [self._master_of.get(id(p), p) for p in params]
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -132,14 +128,8 @@ class MasterWeights:
         frozen parameters and persistent buffers elsewhere. Hand it (not the model) to
         checkpointing and export; after loading into it, call `copy_to_model()`."""
         if self._mirror is None:
-            self._mirror = _mirror(self.model, {id(p): m for p, m in self._pairs})
+            self._mirror = _mirror(self.model, self._master_of)
         return self._mirror
-
-    def remove(self) -> None:
-        """Detach the gradient hooks (the model keeps its compute weights)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 def _mirror(model: nn.Module, replace: dict[int, nn.Parameter]) -> nn.Module:
