@@ -63,8 +63,9 @@ class QwenVLProcessor:
     """Turns normalised chat messages into one sample (see docs/contracts.md, "sample").
 
     ``family`` is ``"qwen2_5_vl"`` or ``"qwen3_vl"`` (Qwen3-VL adds per-frame timestamps in video
-    prompts). Both emit ``mm_token_type_ids`` (0 text, 1 image, 2 video per token). ``tokens_per_second`` must equal the model's
-    ``vision_config.tokens_per_second`` (Qwen2.5-VL checkpoints use 2).
+    prompts). Both emit ``mm_token_type_ids`` (0 text, 1 image, 2 video per token).
+    ``tokens_per_second`` must equal the model's ``vision_config.tokens_per_second`` (Qwen2.5-VL
+    checkpoints use 2).
     """
 
     family = "qwen2_5_vl"
