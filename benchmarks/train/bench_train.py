@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+import trace_gaps  # beside this script
+
 ROOT = Path(__file__).resolve().parents[2]
 PEAK = 989e12  # H100/H200 dense bf16 datasheet, as peers report MFU
 
@@ -45,8 +47,7 @@ PEAK = 989e12  # H100/H200 dense bf16 datasheet, as peers report MFU
 # fit one H200 (141 GB) with fp32 master weights and AdamW state. Keys are trainer_args names.
 # VL 16k and 32k: bench_packed (benchmarks/RESULTS.md, benchmarks/models/NOTES.md levers 3 and 9).
 # VL 16k: half the decoder blocks checkpointed, the vision tower not (110.4 GiB compiled,
-# 2026-12-03). A quarter was tried the same day and is not settled: its run did not log a step
-# before the case timeout (cold Inductor cache), and the Muon case after it ran out of memory.
+# 2026-12-03). A quarter is not settled (its one run timed out compiling, cold cache).
 VL_16K = dict(activation_checkpointing="full", activation_checkpointing_fraction=0.5,
               vision_activation_checkpointing="none")  # fmt: skip
 VL_32K = dict(activation_checkpointing="full", activation_checkpointing_fraction=1.0,
@@ -271,8 +272,11 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
     syncs = work / "runs" / name / "profile" / "syncs_rank0.json"
     if args.profile_steps and syncs.exists():  # where the host waited for the device
         ops = syncs.with_name("ops_rank0.txt")
-        if os.environ.get("OUT") and ops.exists():
-            Path(os.environ["OUT"], f"{name}.ops.txt").write_text(ops.read_text())
+        if os.environ.get("OUT") and ops.exists():  # operators, then where the device idled
+            gaps = trace_gaps.format_report(
+                trace_gaps.analyze(trace_gaps.load(ops.with_name("trace_rank0.json.gz")))
+            )
+            Path(os.environ["OUT"], f"{name}.ops.txt").write_text(ops.read_text() + "\n" + gaps)
         summary = json.loads(syncs.read_text())
         out["host_waits"] = summary["totals"]
         # CUDA's sync debug mode during the window: the Python lines that synchronised
