@@ -89,6 +89,13 @@ for s in $STAGES; do
       stage train_master 130 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 125 --profile-steps 25 25 --tag=-master \
       --cases text3b_16k ;;
+    text8master) stage train_master 130 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 125 --profile-steps 25 25 --tag=-master \
+      --cases ${TEXT_CASES:-text3b_16k} ;;
+    # the vision tower on aten's flash attention (less host time per call than FA4's interface)
+    vlattn) stage train_vtorch 300 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 290 --profile-steps 25 25 --vision-attn torch \
+      --tag=-vtorch --cases vl3b_16k ;;
     # VL 16k (AdamW, Muon) with the one-process default; a cold first case compiles both towers
     # (>220 s); VL_CASES="vl3b_32k" for the 32k case
     vl8master) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 21 \

@@ -177,6 +177,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "use_rmpad": True,
             "use_liger_kernel": not args.tiny,
             "attn_backend": "auto",
+            "vision_attn_backend": args.vision_attn,
             **ac_layout(case, args),
             "reshard_after_forward": not args.keep,
             "fsdp": True if args.fsdp else None,  # None: FSDP2 only on several processes
@@ -268,6 +269,7 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         "layout": " ".join(f"{k}={v}" for k, v in ac_layout(case, args).items()),
         "compile": args.compile,
         "loss_backend": args.loss_backend,
+        "vision_attn": args.vision_attn or "auto",
     }
     syncs = work / "runs" / name / "profile" / "syncs_rank0.json"
     if args.profile_steps and syncs.exists():  # where the host waited for the device
@@ -479,6 +481,11 @@ def main() -> None:
         "--loss-backend",
         default="auto",
         help="trainer_args.loss_backend: the fused linear cross-entropy (auto, liger, triton, torch)",
+    )
+    p.add_argument(
+        "--vision-attn",
+        default=None,
+        help="trainer_args.vision_attn_backend: the vision tower's own varlen backend (e.g. torch)",
     )
     p.add_argument(
         "--profile-steps",

@@ -264,3 +264,23 @@ def test_media_merged_at_host_positions(name, monkeypatch):
     bad["mm_token_type_ids"].reshape(-1)[first] = 0
     with pytest.raises(ValueError, match="image features and image placeholder tokens"):
         spec.packed_forward(model, bad)
+
+
+def test_a_vision_tower_on_its_own_backend_gives_the_same_packed_loss():
+    """Text on lmms' SDPA-per-segment, the tower on its upstream attention (transformers' own
+    split by ``cu_seqlens``): the same loss and vision grads as both on SDPA-per-segment."""
+    spec, model, batch = tiny_pack("qwen2_5_vl")
+    loss_ref, _ = spec.packed_forward(model, batch)
+    loss_ref.backward()
+    g_ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+    names = spec.set_attention(model, backend="varlen_sdpa", vision_backend="sdpa")
+    assert names == {"text": "lmms_flash_text_varlen_sdpa", "vision": "sdpa"}
+    loss, _ = spec.packed_forward(model, batch)
+    loss.backward()
+    g = _grads(model)
+    torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=1e-5)
+    visual = [k for k in g_ref if ".visual." in k or k.startswith("model.visual")]
+    assert visual
+    for k in visual:
+        torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-6, msg=k)

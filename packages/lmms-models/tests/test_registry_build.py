@@ -92,3 +92,20 @@ def test_dummy_vision_inputs_run_the_tower(name):
     # one merged token of the language model's width
     assert merged.shape == (1, model.config.text_config.hidden_size)
     assert inputs["grid_thw"].tolist() == [[1, 2, 2]]
+
+
+def test_the_vision_tower_can_take_its_own_attention_backend():
+    spec = get_model_spec("qwen2_5_vl")
+    model = spec.build(
+        config=spec.tiny_config(),
+        device="meta",
+        attn_backend="varlen_sdpa",
+        vision_attn_backend="flex",
+    )
+    assert model.config.text_config._attn_implementation == "lmms_flash_text_varlen_sdpa"
+    assert spec.vision_tower(model).config._attn_implementation == "lmms_flash_vision_flex"
+    names = spec.set_attention(model, backend="varlen_sdpa", vision_backend="sdpa")
+    assert names == {"text": "lmms_flash_text_varlen_sdpa", "vision": "sdpa"}
+    assert spec.vision_tower(model).config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        spec.set_attention(model, backend="varlen_sdpa", vision_backend="nope")

@@ -159,6 +159,7 @@ def build_model(
     meta = env.fsdp and m.load_from_pretrained_path is not None
     weights: Any = m.load_from_pretrained_path  # what rank 0 broadcasts into the shards
     attn = t.attn_backend if t.use_rmpad else "sdpa"
+    backends = dict(attn_backend=attn, vision_attn_backend=t.vision_attn_backend)
     try:
         if m.load_from_config is not None and env.distributed:
             # Random init once, on rank 0 (same seed, same weights as a 1-process run); every
@@ -169,29 +170,29 @@ def build_model(
             hf_config = spec.make_config(conf)
             torch.manual_seed(t.seed)
             weights = (
-                spec.build(config=conf, device="cpu", attn_backend=attn).state_dict()
+                spec.build(config=conf, device="cpu", **backends).state_dict()
                 if env.rank == 0
                 else None
             )
             with meta_init():
-                model = spec.build(config=conf, device="meta", attn_backend=attn)
+                model = spec.build(config=conf, device="meta", **backends)
             meta = True
         elif m.load_from_config is not None:
             conf = model_config_dict(cfg, spec, token_ids)
             hf_config = spec.make_config(conf)
             torch.manual_seed(t.seed)
-            model = spec.build(config=conf, device=env.device, attn_backend=attn)
+            model = spec.build(config=conf, device=env.device, **backends)
         elif meta:
             from lmms_parallel import meta_init
 
             with meta_init():
                 model = spec.build(
-                    pretrained=m.load_from_pretrained_path, device="meta", attn_backend=attn
+                    pretrained=m.load_from_pretrained_path, device="meta", **backends
                 )
             hf_config = model.config
         else:
             model = spec.build(
-                pretrained=m.load_from_pretrained_path, device=env.device, attn_backend=attn
+                pretrained=m.load_from_pretrained_path, device=env.device, **backends
             )
             hf_config = model.config
     except (ValueError, TypeError, OSError) as exc:
@@ -203,7 +204,9 @@ def build_model(
         from lmms_parallel import UlyssesAttention, sp_group
 
         wrapper = UlyssesAttention(sp_group(env.mesh))
-        spec.set_attention(model, backend=attn, wrapper=wrapper)  # inputs are sliced in _forward
+        spec.set_attention(
+            model, backend=attn, wrapper=wrapper, vision_backend=t.vision_attn_backend
+        )  # inputs are sliced in _forward
     handles += _apply_ac(model, spec, t)
     if t.compile:
         handles.append(_apply_compile(model, spec))

@@ -49,6 +49,7 @@ def set_attention(
     *,
     backend: str = "auto",
     wrapper: Callable[..., torch.Tensor] | None = None,
+    vision_backend: str | None = None,
 ) -> dict[str, str]:
     """Point every attention module of ``model`` at ``backend``; return ``{"text", "vision"}`` names.
 
@@ -57,30 +58,39 @@ def set_attention(
     ``"varlen_sdpa"`` (lmms_kernels' SDPA-per-segment reference backend, which it calls ``"sdpa"``;
     renamed here because ``"sdpa"`` means upstream attention).
     ``wrapper`` (e.g. lmms-parallel's Ulysses attention) applies to the text decoder only.
+    ``vision_backend`` (default: ``backend``) gives the vision tower its own lmms varlen backend:
+    its many short per-window calls can favour a kernel with less host time per call.
     """
     vision_cfgs = {id(c) for c in _configs_of(vision_tower)} if vision_tower is not None else set()
     if vision_tower is not None and hasattr(model, "config"):
         vc = getattr(model.config, "vision_config", None)
         if vc is not None:
             vision_cfgs.add(id(vc))
+    vision_backend = backend if vision_backend is None else vision_backend
     if backend in UPSTREAM_BACKENDS:
         if wrapper is not None:
             raise ValueError(f"an attention wrapper needs an lmms varlen backend, not {backend!r}")
-        text_name = vision_name = backend
+        text_name = backend
     else:
-        import lmms_kernels
-
-        kernel_backend = "sdpa" if backend == "varlen_sdpa" else backend
-        suffix = "_sp" if wrapper is not None else ""
-        text_name = lmms_kernels.register_varlen_attention(
-            f"lmms_flash_text_{backend}{suffix}", backend=kernel_backend, wrapper=wrapper
-        )
-        vision_name = lmms_kernels.register_varlen_attention(
-            f"lmms_flash_vision_{backend}", backend=kernel_backend
-        )
+        text_name = _register("text", backend, "_sp" if wrapper is not None else "", wrapper)
+    if vision_backend in UPSTREAM_BACKENDS:
+        vision_name = vision_backend
+    else:
+        vision_name = _register("vision", vision_backend)
     for cfg in _configs_of(model):
         cfg._attn_implementation = vision_name if id(cfg) in vision_cfgs else text_name
     return {"text": text_name, "vision": vision_name}
+
+
+def _register(
+    tower: str, backend: str, suffix: str = "", wrapper: Callable[..., torch.Tensor] | None = None
+) -> str:
+    import lmms_kernels
+
+    kernel_backend = "sdpa" if backend == "varlen_sdpa" else backend
+    return lmms_kernels.register_varlen_attention(
+        f"lmms_flash_{tower}_{backend}{suffix}", backend=kernel_backend, wrapper=wrapper
+    )
 
 
 @contextmanager

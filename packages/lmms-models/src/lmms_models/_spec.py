@@ -122,6 +122,7 @@ class ModelSpec:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         attn_backend: str = "auto",
+        vision_attn_backend: str | None = None,
     ) -> nn.Module:
         """Build the upstream model from a config dict, a local pretrained folder, or on meta.
 
@@ -130,7 +131,8 @@ class ModelSpec:
           attempted). With ``device="meta"`` only its config is read (weights are loaded later,
           e.g. broadcast from rank 0 by lmms-parallel).
         * ``attn_backend``: ``"eager"``/``"sdpa"`` keep upstream attention (reference runs); any
-          other value registers lmms varlen attention (see :func:`set_attention`).
+          other value registers lmms varlen attention (see :func:`set_attention`);
+          ``vision_attn_backend`` gives the vision tower its own (default: the same).
         """
         import transformers
 
@@ -157,7 +159,7 @@ class ModelSpec:
             with torch.device(device):
                 model = model_cls(hf_config)
             model = model.to(dtype)
-        self.set_attention(model, backend=attn_backend)
+        self.set_attention(model, backend=attn_backend, vision_backend=vision_attn_backend)
         return model
 
     def set_attention(
@@ -166,9 +168,16 @@ class ModelSpec:
         *,
         backend: str = "auto",
         wrapper: Callable[..., torch.Tensor] | None = None,
+        vision_backend: str | None = None,
     ) -> dict[str, str]:
         """Switch the attention of both towers (see :func:`lmms_models.set_attention`)."""
-        return set_attention(model, self.vision_tower(model), backend=backend, wrapper=wrapper)
+        return set_attention(
+            model,
+            self.vision_tower(model),
+            backend=backend,
+            wrapper=wrapper,
+            vision_backend=vision_backend,
+        )
 
     # ---------------------------------------------------------------- packed forward
     def packed_forward(

@@ -227,6 +227,11 @@ class TrainerArgs:
         "auto",
         "Varlen attention backend of `lmms_kernels` (`auto`, `fa4`, `fa`, `torch`, `flex`, `sdpa`).",
     )
+    vision_attn_backend: str | None = _f(
+        None,
+        "The vision tower's own attention backend (same choices; unset: `attn_backend`). Its "
+        "many short per-window calls can favour `torch` (less host time per call than `fa4`).",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = _f(
         "none",
         "Recompute activations per decoder block in backward to save memory: `full` (keep only "
