@@ -37,21 +37,33 @@ def load(path: str | Path) -> list[dict[str, Any]]:
 
 
 class _Enclosing:
-    """Events of one thread, queried for those spanning a time (innermost = latest start)."""
+    """Events of one thread (they nest), queried for those spanning a time, innermost first.
+
+    The events spanning ``t`` are the last one to start at or before ``t`` and its ancestors that
+    have not ended by ``t``: a walk up the nesting, not a scan of the thread.
+    """
 
     def __init__(self, events: list[dict[str, Any]]) -> None:
-        self.events = sorted(events, key=lambda e: e["ts"])
+        self.events = sorted(events, key=lambda e: (e["ts"], -e["dur"]))
         self.starts = [e["ts"] for e in self.events]
-        self.longest = max((e["dur"] for e in self.events), default=0.0)
+        self.parent: list[int] = []
+        stack: list[int] = []
+        for i, e in enumerate(self.events):
+            while stack and self._end(stack[-1]) < e["ts"]:
+                stack.pop()
+            self.parent.append(stack[-1] if stack else -1)
+            stack.append(i)
+
+    def _end(self, i: int) -> float:
+        return self.events[i]["ts"] + self.events[i]["dur"]
 
     def at(self, t: float) -> list[dict[str, Any]]:
         out, i = [], bisect.bisect_right(self.starts, t) - 1
-        while i >= 0 and t - self.starts[i] <= self.longest:
-            e = self.events[i]
-            if e["ts"] + e["dur"] >= t:
-                out.append(e)
-            i -= 1
-        return out  # innermost first
+        while i >= 0:
+            if self._end(i) >= t:
+                out.append(self.events[i])
+            i = self.parent[i]
+        return out
 
 
 def _frame_label(name: str) -> str:
