@@ -3,6 +3,7 @@
 Depends on torch only; Triton (shipped with CUDA builds of torch) is imported lazily on CUDA.
 """
 
+from ._flat_adamw import flat_adamw_, segment_chunks
 from ._groups import DEFAULT_ADAMW_PATTERNS, build_muon_param_groups
 from ._muon import Muon, lr_scale
 from ._ns import (
@@ -19,9 +20,11 @@ __all__ = [
     "Muon",
     "NSSchedule",
     "build_muon_param_groups",
+    "flat_adamw_",
     "lr_scale",
     "newton_schulz",
     "newton_schulz_reference",
     "resolve_schedule",
+    "segment_chunks",
 ]
 __version__ = "0.1.0"
