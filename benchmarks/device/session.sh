@@ -96,6 +96,14 @@ for s in $STAGES; do
     text8master) stage train_master 130 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 125 --profile-steps 25 25 --tag=-master \
       --cases ${TEXT_CASES:-text3b_16k} ;;
+    # NOTES item 26: clip, AdamW and the bf16 write-back in one kernel per parameter, text 3B and
+    # VL 16k (profiled); the baselines are text8master and vl8master in the same machine session
+    fusedtests) stage fused_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-optim/tests/test_flat_adamw.py packages/lmms-optim/tests/test_master_adamw.py \
+      tests/test_one_process_fsdp.py::test_fused_master_step_matches_on_the_gpu ;;
+    fusedstep) stage train_fused 560 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 270 --profile-steps 25 25 --fused-master-step \
+      --tag=-fused --cases ${FUSED_CASES:-text3b_16k vl3b_16k} ;;
     # the vision tower on aten's flash attention (less host time per call than FA4's interface)
     vlattn) stage train_vtorch 300 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 290 --profile-steps 25 25 --vision-attn torch \

@@ -178,6 +178,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "use_liger_kernel": not args.tiny,
             "attn_backend": "auto",
             "vision_attn_backend": args.vision_attn,
+            "fused_master_step": args.fused_master_step,
             **ac_layout(case, args),
             "reshard_after_forward": not args.keep,
             "fsdp": True if args.fsdp else None,  # None: FSDP2 only on several processes
@@ -270,6 +271,7 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         "compile": args.compile,
         "loss_backend": args.loss_backend,
         "vision_attn": args.vision_attn or "auto",
+        "fused_master_step": args.fused_master_step,
     }
     syncs = work / "runs" / name / "profile" / "syncs_rank0.json"
     if args.profile_steps and syncs.exists():  # where the host waited for the device
@@ -481,6 +483,11 @@ def main() -> None:
         "--loss-backend",
         default="auto",
         help="trainer_args.loss_backend: the fused linear cross-entropy (auto, liger, triton, torch)",
+    )
+    p.add_argument(
+        "--fused-master-step",
+        action="store_true",
+        help="trainer_args.fused_master_step: clip, AdamW and bf16 write-back in one kernel",
     )
     p.add_argument(
         "--vision-attn",

@@ -54,6 +54,12 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
             )
             if g["params"]
         ]
+        if master is not None and t.fused_master_step:
+            from lmms_optim import MasterAdamW
+
+            return MasterAdamW(
+                groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon
+            )
         kwargs: dict[str, Any] = {}
         if any(p.is_cuda for _, p in named):
             kwargs["fused"] = True

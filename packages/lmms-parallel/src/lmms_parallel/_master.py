@@ -73,6 +73,7 @@ class MasterWeights:
         self._flat_master = torch.zeros(total, dtype=torch.float32, device=device)
         self.masters: dict[str, nn.Parameter] = {}
         self._master_of: dict[int, nn.Parameter] = {}  # id(compute weight) -> its master
+        self._compute_of: dict[int, torch.Tensor] = {}  # id(master) -> its compute weight
         with torch.no_grad():
             for name, p in trainable.items():
                 a, b = offsets[name], offsets[name] + p.numel()
@@ -82,6 +83,7 @@ class MasterWeights:
                 compute.copy_(master)
                 p.data = compute
                 self.masters[name] = self._master_of[id(p)] = nn.Parameter(master)
+                self._compute_of[id(self.masters[name])] = compute
                 p.register_post_accumulate_grad_hook(self._to_master(self.masters[name]))
             for p in params.values():
                 if not p.requires_grad and p.is_floating_point():
@@ -114,14 +116,21 @@ class MasterWeights:
         self._flat_model.copy_(self._flat_master)
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Write back after every `optimizer.step()`; the optimizer must step the masters."""
+        """Write back after every `optimizer.step()`; the optimizer must step the masters.
+
+        An optimizer with `set_mirrors` (`lmms_optim.MasterAdamW`) gets each master's compute
+        weight and writes it in its own update; otherwise one copy of the flat buffer runs as the
+        optimizer's step post-hook."""
         mine = {id(m) for m in self.masters.values()}
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if not stepped <= mine:
             raise ValueError(
                 "MasterWeights.attach: the optimizer steps tensors that are not masters"
             )
-        optimizer.register_step_post_hook(lambda *_: self.copy_to_model())
+        if hasattr(optimizer, "set_mirrors"):
+            optimizer.set_mirrors(self._compute_of)
+        else:
+            optimizer.register_step_post_hook(lambda *_: self.copy_to_model())
 
     def state_module(self) -> nn.Module:
         """A module with the model's state-dict names: the masters where the model trains, its

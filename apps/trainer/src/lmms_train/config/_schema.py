@@ -200,6 +200,12 @@ class TrainerArgs:
     adam_beta2: float = _f(0.999, "AdamW beta2.")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).")
+    fused_master_step: bool = _f(
+        False,
+        "AdamW on one process with fp32 masters: clip, update and bf16 write-back in one Triton "
+        "kernel per parameter (`lmms_optim.MasterAdamW`) instead of three passes. Not yet "
+        "measured on a GPU (benchmarks/models/NOTES.md, item 26); same state and checkpoints.",
+    )
     # schedule
     lr_scheduler_type: _Schedule = _f(
         "cosine", "`constant`, `linear` (to min), `cosine` (to min) or `wsd` (warmup-stable-decay)."

@@ -1,0 +1,153 @@
+"""AdamW over fp32 master weights whose step also clips and writes the low-precision weights.
+
+A one-device bf16 run (lmms-parallel's ``MasterWeights``) ends each step with three passes over
+every trainable parameter besides AdamW's own: the clip multiply of the fp32 gradients, the
+update, and the copy of the updated masters into the bf16 compute weights. On a Qwen2.5-3B text
+step on an H200 those are 6.8 + 25.3 + ~5 ms of a device-bound 581 ms step
+(benchmarks/models/NOTES.md, item 26). :class:`MasterAdamW` does the three in one kernel per
+parameter (:func:`lmms_optim.flat_adamw_`): the gradient is multiplied by ``clip_scale`` (a device
+scalar, so clipping needs no host read), the master, ``exp_avg`` and ``exp_avg_sq`` are updated
+and the bf16 mirror is written from the new master.
+
+It *is* a ``torch.optim.AdamW`` (same parameter groups, same state: ``step``, ``exp_avg``,
+``exp_avg_sq`` per parameter, ``step`` a float32 device tensor as with ``fused=True``), so
+checkpoints, DCP and learning-rate schedulers see no difference and either optimizer resumes the
+other's state. Without CUDA and Triton (or with ``backend="torch"``) ``step`` applies the scale
+with one ``_foreach_mul_``, runs ``torch.optim.AdamW``'s own step and copies the mirrors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ._flat_adamw import _step_triton, flat_adamw_, segment_chunks
+
+__all__ = ["MasterAdamW"]
+
+_BLOCK = 8192  # elements per chunk of one parameter (the kernel's work per program)
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` with the gradient-clip multiply and a bf16 write-back in its step.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (no amsgrad, maximize,
+            capturable or differentiable: the kernel implements the plain update).
+        backend: ``"auto"`` (the Triton kernel on CUDA when Triton imports, torch's AdamW
+            otherwise), ``"triton"`` or ``"torch"``.
+
+    Before each :meth:`step`, set :attr:`clip_scale` to a 0-d fp32 device tensor (the clip
+    coefficient, <= 1) or leave it ``None``; the step multiplies every gradient by it (the
+    Triton path without touching the gradient) and clears it. :meth:`set_mirrors` gives each
+    stepped parameter a low-precision tensor that receives its new value after every step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.backend = backend
+        self.clip_scale: torch.Tensor | None = None
+        self._mirrors: dict[int, torch.Tensor] = {}
+        self._chunks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._host_steps: dict[int, int] = {}  # id(param) -> its step count, kept on the host
+        self._checked: dict[int, torch.dtype] = {}  # id(param) -> grad dtype flat_adamw_ checked
+
+    # ------------------------------------------------------------------ set-up
+    def set_mirrors(self, mirrors: dict[int, torch.Tensor]) -> None:
+        """``id(parameter) -> tensor`` of the same shape (any float dtype) written after each
+        step; every stepped parameter needs one (a partial map would leave weights stale)."""
+        stepped = [p for g in self.param_groups for p in g["params"]]
+        missing = [tuple(p.shape) for p in stepped if id(p) not in mirrors]
+        if missing:
+            raise ValueError(f"MasterAdamW.set_mirrors: no mirror for parameters {missing[:4]}")
+        for p in stepped:
+            m = mirrors[id(p)]
+            if m.shape != p.shape or m.device != p.device or not m.is_contiguous():
+                raise ValueError(
+                    f"MasterAdamW.set_mirrors: a mirror must be a contiguous tensor of the "
+                    f"parameter's shape and device; got {tuple(m.shape)} on {m.device} for "
+                    f"{tuple(p.shape)} on {p.device}"
+                )
+        self._mirrors = {id(p): mirrors[id(p)] for p in stepped}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._host_steps.clear()  # re-read from the loaded ``step`` tensors at the next step
+
+    # ------------------------------------------------------------------ step
+    def _use_triton(self, params: list[torch.Tensor]) -> bool:
+        if self.backend == "torch" or not params:
+            return False
+        on_cuda = all(p.is_cuda for p in params)
+        if self.backend == "triton":
+            return True  # flat_adamw_ raises a clear error where it cannot run
+        if not on_cuda:
+            return False
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scale, self.clip_scale = self.clip_scale, None
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if self._use_triton(params):
+            for group in self.param_groups:
+                self._triton_group(group, scale)
+        else:
+            if scale is not None and params:
+                torch._foreach_mul_([p.grad for p in params], scale)
+            super().step()
+            if self._mirrors and params:
+                torch._foreach_copy_([self._mirrors[id(p)] for p in params], params)
+        return loss
+
+    def _triton_group(self, group: dict[str, Any], scale: torch.Tensor | None) -> None:
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:  # as torch's fused AdamW: step a float32 tensor on the device
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self._host_steps[id(p)] = 0
+            elif id(p) not in self._host_steps:  # loaded state: one host read, then counted
+                self._host_steps[id(p)] = int(state["step"])
+            step = self._host_steps[id(p)] = self._host_steps[id(p)] + 1
+            state["step"].add_(1)
+            n = p.numel()
+            chunks = self._chunks.get(id(p))
+            if chunks is None:
+                chunks = self._chunks[id(p)] = segment_chunks([(0, n)], _BLOCK, p.device)
+            mirror = self._mirrors.get(id(p))
+            args = (p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1))
+            args += (state["exp_avg_sq"].view(-1), chunks)
+            kw = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"])
+            kw.update(weight_decay=group["weight_decay"], step=step)
+            out = None if mirror is None else mirror.view(-1)
+            if id(p) in self._checked and p.grad.dtype == self._checked[id(p)]:
+                _step_triton(*args, scale, out, **kw)  # checked once: skip the host checks
+            else:
+                flat_adamw_(*args, grad_scale=scale, out=out, backend="triton", **kw)
+                self._checked[id(p)] = p.grad.dtype
