@@ -7,13 +7,11 @@ interpreter check and exits non-zero on failure.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from optim_scripts import run_script
 
 from lmms_optim import flat_adamw_, segment_chunks
 
@@ -168,12 +166,7 @@ def _interpreter_check() -> list[str]:
 
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    here = Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(here)}
-    r = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_script(Path(__file__).name)
     assert r.stdout.count("interpret torch.") == 8, r.stdout
 
 

@@ -1,12 +1,8 @@
 """lmms_optim.MasterAdamW: clip scale and mirror write-back inside AdamW's step."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from optim_scripts import run_script
 
 from lmms_optim import MasterAdamW
 
@@ -57,23 +53,11 @@ def test_mirrors_must_cover_every_parameter_with_its_shape():
 
 def test_triton_path_under_the_interpreter():
     pytest.importorskip("triton")
-    here = Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(here)}
-    r = subprocess.run(
-        [sys.executable, str(here / "master_adamw_checks.py"), "cpu"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_script("master_adamw_checks.py", "cpu")
     assert "triton == torch over 3 steps on cpu" in r.stdout
     assert "resumes torch state on cpu" in r.stdout
 
 
 @pytest.mark.gpu
 def test_triton_path_on_the_gpu():
-    here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": str(here)}
-    r = subprocess.run(
-        [sys.executable, str(here / "master_adamw_checks.py"), "cuda"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
+    run_script("master_adamw_checks.py", "cuda", interpret=False)

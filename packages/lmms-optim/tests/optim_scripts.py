@@ -1,0 +1,23 @@
+"""Run a check script of this folder in a fresh interpreter (Triton's interpreter is switched on
+by an environment variable read at import, so it cannot be turned on inside pytest's process)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def run_script(script: str, *args: str, interpret: bool = True) -> subprocess.CompletedProcess:
+    """`python HERE/script args...` with this folder importable (and `TRITON_INTERPRET=1` unless
+    `interpret=False`); fails with the script's output when it exits non-zero."""
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    r = subprocess.run(
+        [sys.executable, str(HERE / script), *args],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
