@@ -122,32 +122,35 @@ class MasterAdamW(torch.optim.AdamW):
         return loss
 
     def _triton_group(self, group: dict[str, Any], scale: torch.Tensor | None) -> None:
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
             state = self.state[p]
             if not state:  # as torch's fused AdamW: step a float32 tensor on the device
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 self._host_steps[id(p)] = 0
-            elif id(p) not in self._host_steps:  # loaded state: one host read, then counted
-                self._host_steps[id(p)] = int(state["step"])
+        loaded = [p for p in params if id(p) not in self._host_steps]
+        if loaded:  # state from load_state_dict: one host read for all, then counted here
+            steps = torch.stack([self.state[p]["step"].float().cpu() for p in loaded]).tolist()
+            self._host_steps.update((id(p), int(n)) for p, n in zip(loaded, steps, strict=True))
+        if params:
+            torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"])
+        hyper["weight_decay"] = group["weight_decay"]
+        for p in params:
+            state = self.state[p]
             step = self._host_steps[id(p)] = self._host_steps[id(p)] + 1
-            state["step"].add_(1)
-            n = p.numel()
             chunks = self._chunks.get(id(p))
             if chunks is None:
-                chunks = self._chunks[id(p)] = segment_chunks([(0, n)], _BLOCK, p.device)
+                chunks = self._chunks[id(p)] = segment_chunks([(0, p.numel())], _BLOCK, p.device)
             mirror = self._mirrors.get(id(p))
+            out = None if mirror is None else mirror.view(-1)
             args = (p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1))
             args += (state["exp_avg_sq"].view(-1), chunks)
-            kw = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"])
-            kw.update(weight_decay=group["weight_decay"], step=step)
-            out = None if mirror is None else mirror.view(-1)
-            if id(p) in self._checked and p.grad.dtype == self._checked[id(p)]:
-                _step_triton(*args, scale, out, **kw)  # checked once: skip the host checks
+            if self._checked.get(id(p)) == p.grad.dtype:  # checked once: skip the host checks
+                _step_triton(*args, scale, out, step=step, **hyper)
             else:
-                flat_adamw_(*args, grad_scale=scale, out=out, backend="triton", **kw)
+                flat_adamw_(*args, grad_scale=scale, out=out, backend="triton", step=step, **hyper)
                 self._checked[id(p)] = p.grad.dtype
