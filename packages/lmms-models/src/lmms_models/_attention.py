@@ -58,8 +58,8 @@ def set_attention(
     ``"varlen_sdpa"`` (lmms_kernels' SDPA-per-segment reference backend, which it calls ``"sdpa"``;
     renamed here because ``"sdpa"`` means upstream attention).
     ``wrapper`` (e.g. lmms-parallel's Ulysses attention) applies to the text decoder only.
-    ``vision_backend`` (default: ``backend``) gives the vision tower its own lmms varlen backend:
-    its many short per-window calls can favour a kernel with less host time per call.
+    ``vision_backend`` (default: ``backend``) gives the vision tower its own backend (e.g.
+    ``"torch"``: aten's flash attention takes the ViT's head dim 80 without FA4's padding).
     """
     vision_cfgs = {id(c) for c in _configs_of(vision_tower)} if vision_tower is not None else set()
     if vision_tower is not None and hasattr(model, "config"):
