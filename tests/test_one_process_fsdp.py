@@ -383,3 +383,48 @@ def test_steady_state_step_never_waits_for_the_device(
         if not (liger and any("ops/fused_linear_cross_entropy.py" in f for f in s["site"]))
     ]  # fmt: skip
     assert not unknown, report
+
+
+def _tiny_master_pair(defer: bool):
+    from lmms_optim import MasterAdamW
+    from lmms_parallel import MasterWeights
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    mw = MasterWeights(model)
+    if defer:
+        opt = MasterAdamW(list(mw.parameters()), lr=1e-2, backend="torch")
+        mw.attach(opt, defer_cast=True)
+    else:
+        opt = torch.optim.AdamW(list(mw.parameters()), lr=1e-2)
+        mw.attach(opt)
+    return model, mw, opt
+
+
+def test_deferred_cast_keeps_one_micro_batch_in_bf16_and_accumulates_more_in_fp32():
+    """MasterWeights with `defer_cast` (the fused step's source of gradients): one micro-batch
+    leaves each gradient bf16 (no fp32 copy), a second casts and accumulates in fp32 exactly as
+    the default hook does, and the step then matches the default path bit for bit."""
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    runs = {d: _tiny_master_pair(d) for d in (False, True)}
+    for micro in (1, 2):  # a step of one micro-batch, then a step of two
+        for defer, (model, mw, _) in runs.items():
+            for i in range(micro):
+                model(x[i].bfloat16()).float().square().mean().backward()
+                if defer and micro == 1:
+                    m = next(mw.parameters())
+                    assert m.grad is None and mw.gradient(m).dtype == torch.bfloat16
+        (_, mw0, opt0), (_, mw1, opt1) = runs[False], runs[True]
+        for a, b in zip(mw0.parameters(), mw1.parameters(), strict=True):
+            torch.testing.assert_close(mw1.gradient(b).float(), a.grad, rtol=0, atol=0)
+        norm = opt1.clip_norm_(0.0)  # measured, not clipped
+        want = torch.nn.utils.get_total_norm([a.grad for a in mw0.parameters()])
+        torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
+        for opt in (opt0, opt1):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert not mw1._pending
+        for (_, a), (_, b) in zip(
+            runs[False][0].named_parameters(), runs[True][0].named_parameters(), strict=True
+        ):
+            assert torch.equal(a, b)  # the bf16 compute weights after the step

@@ -67,6 +67,21 @@ def main(device: str) -> None:
         torch.testing.assert_close(p, q, rtol=2e-6, atol=1e-7)
     assert float(opt.state[params[0]]["step"]) == 4.0
     print(f"master_adamw resumes torch state on {device}")
+    # bf16 gradients through set_grad_source (what MasterWeights' deferred cast hands over): the
+    # kernel reads them as they are, the torch path casts them; the norm accumulates in fp32
+    ran = {}
+    for backend in ("torch", "triton"):
+        params, opt, mirrors = _make(device, backend, seed=2)
+        bf16 = {id(p): g.bfloat16() for p, g in zip(params, _grads(7, device), strict=True)}
+        opt.set_grad_source(lambda p, bf16=bf16: p.grad if p.grad is not None else bf16[id(p)])
+        norm = opt.clip_norm_(1.0)
+        want = torch.linalg.vector_norm(torch.cat([g.float().flatten() for g in bf16.values()]))
+        torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
+        opt.step()
+        ran[backend] = params
+    for a, b in zip(ran["torch"], ran["triton"], strict=True):
+        torch.testing.assert_close(b, a, rtol=2e-6, atol=1e-7)
+    print(f"master_adamw bf16 gradients on {device}")
 
 
 if __name__ == "__main__":

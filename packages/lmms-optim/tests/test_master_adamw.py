@@ -56,6 +56,7 @@ def test_triton_path_under_the_interpreter():
     r = run_script("master_adamw_checks.py", "cpu")
     assert "triton == torch over 3 steps on cpu" in r.stdout
     assert "resumes torch state on cpu" in r.stdout
+    assert "bf16 gradients on cpu" in r.stdout
 
 
 @pytest.mark.gpu

@@ -135,18 +135,16 @@ def grad_norm(
     optimizer: torch.optim.Optimizer, max_norm: float, device: torch.device
 ) -> torch.Tensor:
     """Clip the global gradient norm of what `optimizer` steps (the model's parameters, or their
-    fp32 masters) (0: no clipping); returns the norm as a device tensor. An optimizer with a
-    `clip_scale` attribute (`lmms_optim.MasterAdamW`) gets the clip coefficient and applies it in
-    its own update instead of a pass over the gradients here."""
+    fp32 masters) (0: no clipping); returns the norm as a device tensor. An optimizer with
+    `clip_norm_` (`lmms_optim.MasterAdamW`) measures its own gradients and applies the clip
+    coefficient in its update, instead of a pass over the gradients here."""
+    if hasattr(optimizer, "clip_norm_"):
+        if not optimizer.gradients():
+            return torch.zeros((), device=device)
+        return optimizer.clip_norm_(max_norm)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if not params:
         return torch.zeros((), device=device)
-    if hasattr(optimizer, "clip_scale"):
-        grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads)
-        if max_norm > 0:  # clip_grad_norm_'s coefficient
-            optimizer.clip_scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        return norm
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
     if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: all-reduced on the device
         norm = norm.full_tensor()

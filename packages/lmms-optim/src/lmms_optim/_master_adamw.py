@@ -64,6 +64,7 @@ class MasterAdamW(torch.optim.AdamW):
         self._chunks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._host_steps: dict[int, int] = {}  # id(param) -> its step count, kept on the host
         self._checked: dict[int, torch.dtype] = {}  # id(param) -> grad dtype flat_adamw_ checked
+        self._grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p.grad
 
     # ------------------------------------------------------------------ set-up
     def set_mirrors(self, mirrors: dict[int, torch.Tensor]) -> None:
@@ -82,6 +83,37 @@ class MasterAdamW(torch.optim.AdamW):
                     f"{tuple(p.shape)} on {p.device}"
                 )
         self._mirrors = {id(p): mirrors[id(p)] for p in stepped}
+
+    def set_grad_source(self, grad_of: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """Where each parameter's gradient is: ``grad_of(p)`` instead of ``p.grad``. It may be
+        of a lower precision than ``p`` (e.g. the bf16 gradient of a single micro-batch, which
+        the fp32 master would hold exactly): the kernel reads it as it is, the torch path casts."""
+        self._grad_of = grad_of
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients the next :meth:`step` uses (those that exist)."""
+        grads = (self._grad_of(p) for g in self.param_groups for p in g["params"])
+        return [g for g in grads if g is not None]
+
+    def clip_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global L2 norm of :meth:`gradients` (fp32 accumulation whatever their dtype), as
+        a device tensor; with ``max_norm > 0`` sets :attr:`clip_scale` to
+        ``torch.nn.utils.clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm + 1e-6))``.
+        Nothing is read on the host and no gradient is rewritten."""
+        grads = self.gradients()
+        if not grads:
+            raise ValueError("MasterAdamW.clip_norm_: no parameter has a gradient")
+        if all(g.dtype == torch.float32 for g in grads):
+            norm = torch.nn.utils.get_total_norm(grads)  # what clip_grad_norm_ computes
+        else:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for g in grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            norms = [n for gs in by_dtype.values() for n in _norms_fp32(gs)]
+            norm = torch.linalg.vector_norm(torch.stack(norms))
+        if max_norm > 0:
+            self.clip_scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return norm
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -109,11 +141,15 @@ class MasterAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         scale, self.clip_scale = self.clip_scale, None
-        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grad_of = self._grad_of
+        params = [p for g in self.param_groups for p in g["params"] if grad_of(p) is not None]
         if self._use_triton(params):
             for group in self.param_groups:
                 self._triton_group(group, scale)
         else:
+            for p in params:  # a lower-precision gradient from the source: cast, exactly
+                if p.grad is None:
+                    p.grad = grad_of(p).to(p.dtype)
             if scale is not None and params:
                 torch._foreach_mul_([p.grad for p in params], scale)
             super().step()
@@ -122,7 +158,8 @@ class MasterAdamW(torch.optim.AdamW):
         return loss
 
     def _triton_group(self, group: dict[str, Any], scale: torch.Tensor | None) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+        grads = {id(p): self._grad_of(p) for p in group["params"]}
+        params = [p for p in group["params"] if grads[id(p)] is not None]
         for p in params:
             state = self.state[p]
             if not state:  # as torch's fused AdamW: step a float32 tensor on the device
@@ -147,10 +184,19 @@ class MasterAdamW(torch.optim.AdamW):
                 chunks = self._chunks[id(p)] = segment_chunks([(0, p.numel())], _BLOCK, p.device)
             mirror = self._mirrors.get(id(p))
             out = None if mirror is None else mirror.view(-1)
-            args = (p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1))
+            grad = grads[id(p)]
+            args = (p.view(-1), grad.view(-1), state["exp_avg"].view(-1))
             args += (state["exp_avg_sq"].view(-1), chunks)
-            if self._checked.get(id(p)) == p.grad.dtype:  # checked once: skip the host checks
+            if self._checked.get(id(p)) == grad.dtype:  # checked once: skip the host checks
                 _step_triton(*args, scale, out, step=step, **hyper)
             else:
                 flat_adamw_(*args, grad_scale=scale, out=out, backend="triton", step=step, **hyper)
-                self._checked[id(p)] = p.grad.dtype
+                self._checked[id(p)] = grad.dtype
+
+
+def _norms_fp32(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor L2 norms accumulated in fp32 (one foreach call where torch has its dtype)."""
+    try:
+        return list(torch._foreach_norm(grads, 2.0, dtype=torch.float32))
+    except TypeError:  # a torch without the dtype argument
+        return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]

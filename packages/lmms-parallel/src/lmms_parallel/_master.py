@@ -89,17 +89,31 @@ class MasterWeights:
                 if not p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(dtype)
         self._mirror: nn.Module | None = None
+        # id(master) -> the bf16 gradient of a step's first micro-batch, kept as it is when the
+        # optimizer reads gradients through `gradient` (`defer_cast`, see `attach`)
+        self._pending: dict[int, torch.Tensor] = {}
+        self._defer = False
 
-    @staticmethod
-    def _to_master(master: nn.Parameter):
+    def _to_master(self, master: nn.Parameter):
         def hook(p: torch.Tensor) -> None:
-            if master.grad is None:
-                master.grad = p.grad.to(torch.float32)
-            else:
-                master.grad.add_(p.grad)
-            p.grad = None
+            g, p.grad = p.grad, None
+            if master.grad is not None:
+                master.grad.add_(g)
+                return
+            first = self._pending.pop(id(master), None)
+            if first is None and self._defer:  # exact in bf16: the fp32 cast can wait
+                self._pending[id(master)] = g
+                return
+            master.grad = (g if first is None else first).to(torch.float32)
+            if first is not None:  # a second micro-batch: accumulate in fp32 from here on
+                master.grad.add_(g)
 
         return hook
+
+    def gradient(self, master: torch.Tensor) -> torch.Tensor | None:
+        """`master`'s gradient: its fp32 `.grad`, or the bf16 gradient of a single micro-batch
+        not cast yet (`defer_cast`); None if it has none this step."""
+        return master.grad if master.grad is not None else self._pending.get(id(master))
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The fp32 masters: what the optimizer steps and gradient clipping measures."""
@@ -115,12 +129,15 @@ class MasterWeights:
         """Write the masters into the compute weights (one copy kernel)."""
         self._flat_model.copy_(self._flat_master)
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, optimizer: torch.optim.Optimizer, *, defer_cast: bool | None = None) -> None:
         """Write back after every `optimizer.step()`; the optimizer must step the masters.
 
         An optimizer with `set_mirrors` (`lmms_optim.MasterAdamW`) gets each master's compute
         weight and writes it in its own update; otherwise one copy of the flat buffer runs as the
-        optimizer's step post-hook."""
+        optimizer's step post-hook. One with `set_grad_source` too reads gradients through
+        `gradient`: with `defer_cast` (default: on CUDA) a step of one micro-batch keeps each
+        bf16 gradient as it is (the fp32 cast is exact, so the optimizer's kernel reads bf16
+        instead of a copy twice its size); a second micro-batch casts and accumulates in fp32."""
         mine = {id(m) for m in self.masters.values()}
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if not stepped <= mine:
@@ -131,6 +148,11 @@ class MasterWeights:
             optimizer.set_mirrors(self._compute_of)
         else:
             optimizer.register_step_post_hook(lambda *_: self.copy_to_model())
+        if hasattr(optimizer, "set_grad_source"):
+            on_cuda = self._flat_master.is_cuda
+            self._defer = on_cuda if defer_cast is None else defer_cast
+            optimizer.set_grad_source(self.gradient)
+        optimizer.register_step_post_hook(lambda *_: self._pending.clear())
 
     def state_module(self) -> nn.Module:
         """A module with the model's state-dict names: the masters where the model trains, its

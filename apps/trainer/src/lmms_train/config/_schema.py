@@ -203,8 +203,9 @@ class TrainerArgs:
     fused_master_step: bool = _f(
         False,
         "AdamW on one process with fp32 masters: clip, update and bf16 write-back in one Triton "
-        "kernel per parameter (`lmms_optim.MasterAdamW`) instead of three passes. Not yet "
-        "measured on a GPU (benchmarks/models/NOTES.md, item 26); same state and checkpoints.",
+        "kernel per parameter (`lmms_optim.MasterAdamW`) instead of three passes, reading a "
+        "single micro-batch's gradients in bf16. Not yet measured on a GPU "
+        "(benchmarks/models/NOTES.md, item 26); same optimizer state and checkpoints.",
     )
     # schedule
     lr_scheduler_type: _Schedule = _f(
