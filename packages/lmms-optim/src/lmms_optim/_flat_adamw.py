@@ -34,6 +34,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -134,10 +135,8 @@ def flat_adamw_(
             "tests); use backend='torch' here"
         )
     step_fn = _step_triton if use_triton else _step_torch
-    step_fn(
-        master, grad, exp_avg, exp_avg_sq, chunks, grad_scale, out,
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-    )  # fmt: skip
+    hp = Hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    step_fn(master, grad, exp_avg, exp_avg_sq, chunks, grad_scale, out, hp)
 
 
 def _check_buffers(
@@ -206,6 +205,18 @@ def _triton_usable(t: Tensor) -> bool:
     return True
 
 
+@dataclass(frozen=True, slots=True)
+class Hyper:
+    """One step's AdamW hyper-parameters (``step`` counted after its increment)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+
+
 def _step_torch(
     master: Tensor,
     grad: Tensor,
@@ -214,15 +225,12 @@ def _step_torch(
     chunks: tuple[Tensor, Tensor],
     grad_scale: Tensor | None,
     out: Tensor | None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
+    hp: Hyper,
 ) -> None:
     """torch's ``_single_tensor_adam`` (decoupled decay), op for op, on each contiguous run."""
+    lr, beta1, beta2, eps, weight_decay, step = (
+        hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.step
+    )  # fmt: skip
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     step_size = lr / bias_correction1
@@ -268,13 +276,7 @@ def _step_triton(
     chunks: tuple[Tensor, Tensor],
     grad_scale: Tensor | None,
     out: Tensor | None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
+    hp: Hyper,
 ) -> None:
     starts, ends = chunks
     if starts.numel() == 0:
@@ -288,8 +290,8 @@ def _step_triton(
             master if out is None else out,
             master if grad_scale is None else grad_scale,
             starts, ends,
-            1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
-            (1 - beta2**step) ** 0.5, eps, lr / (1 - beta1**step),
+            1 - hp.lr * hp.weight_decay, 1 - hp.beta1, hp.beta2, 1 - hp.beta2,
+            (1 - hp.beta2**hp.step) ** 0.5, hp.eps, hp.lr / (1 - hp.beta1**hp.step),
             HAS_SCALE=grad_scale is not None, HAS_OUT=out is not None,
             BLOCK=_BLOCK, num_warps=_NUM_WARPS,
         )  # fmt: skip

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._flat_adamw import _step_triton, flat_adamw_, segment_chunks
+from ._flat_adamw import Hyper, _step_triton, flat_adamw_, segment_chunks
 
 __all__ = ["MasterAdamW"]
 
@@ -188,7 +188,7 @@ class MasterAdamW(torch.optim.AdamW):
             args = (p.view(-1), grad.view(-1), state["exp_avg"].view(-1))
             args += (state["exp_avg_sq"].view(-1), chunks)
             if self._checked.get(id(p)) == grad.dtype:  # checked once: skip the host checks
-                _step_triton(*args, scale, out, step=step, **hyper)
+                _step_triton(*args, scale, out, Hyper(step=step, **hyper))
             else:
                 flat_adamw_(*args, grad_scale=scale, out=out, backend="triton", step=step, **hyper)
                 self._checked[id(p)] = grad.dtype
