@@ -185,7 +185,8 @@ class MasterAdamW(torch.optim.AdamW):
             mirror = self._mirrors.get(id(p))
             out = None if mirror is None else mirror.view(-1)
             grad = grads[id(p)]
-            args = (p.view(-1), grad.view(-1), state["exp_avg"].view(-1))
+            # written tensors must be views (view raises otherwise); the gradient is only read
+            args = (p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1))
             args += (state["exp_avg_sq"].view(-1), chunks)
             if self._checked.get(id(p)) == grad.dtype:  # checked once: skip the host checks
                 _step_triton(*args, scale, out, Hyper(step=step, **hyper))
