@@ -171,15 +171,17 @@ def test_fused_master_step_equals_the_three_passes(tiny_inputs, tmp_path, no_tor
 
 
 @pytest.mark.gpu
-def test_fused_master_step_matches_on_the_gpu(tiny_inputs, tmp_path, no_torchrun):
+@pytest.mark.parametrize("ga", [1, 2])
+def test_fused_master_step_matches_on_the_gpu(tiny_inputs, tmp_path, no_torchrun, ga):
     """On CUDA the fused step is the Triton kernel (not bit-identical to torch's fused AdamW:
-    another rounding order); losses and grad norms agree within the kernels' spread."""
+    another rounding order), reading bf16 gradients at GA 1 and fp32 ones at GA 2; losses and
+    grad norms agree within the kernels' spread."""
     losses = {}
     for fused in (False, True):
         out = tmp_path / f"fused_{fused}"
         cfg = tiny_config(
             tiny_inputs, out, max_steps=4, save_final=False, device="cuda", bf16=True,
-            gradient_accumulation_steps=2, max_grad_norm=0.05, fused_master_step=fused,
+            gradient_accumulation_steps=ga, max_grad_norm=0.05, fused_master_step=fused,
         )  # fmt: skip
         train(config_from_dict(cfg))
         losses[fused] = _losses(out)
