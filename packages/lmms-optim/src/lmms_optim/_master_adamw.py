@@ -65,6 +65,8 @@ class MasterAdamW(torch.optim.AdamW):
         self._host_steps: dict[int, int] = {}  # id(param) -> its step count, kept on the host
         self._checked: dict[int, torch.dtype] = {}  # id(param) -> grad dtype flat_adamw_ checked
         self._grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p.grad
+        # parameters below this many elements share a few foreach launches (`_small_group`)
+        self.small_numel = 1 << 16
 
     # ------------------------------------------------------------------ set-up
     def set_mirrors(self, mirrors: dict[int, torch.Tensor]) -> None:
@@ -176,7 +178,12 @@ class MasterAdamW(torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"])
         hyper["weight_decay"] = group["weight_decay"]
+        small = [p for p in params if p.numel() < self.small_numel]
+        if small:
+            self._small_group(small, [grads[id(p)] for p in small], scale, hyper)
         for p in params:
+            if p.numel() < self.small_numel:
+                continue
             state = self.state[p]
             step = self._host_steps[id(p)] = self._host_steps[id(p)] + 1
             chunks = self._chunks.get(id(p))
@@ -193,6 +200,31 @@ class MasterAdamW(torch.optim.AdamW):
             else:
                 flat_adamw_(*args, grad_scale=scale, out=out, backend="triton", step=step, **hyper)
                 self._checked[id(p)] = grad.dtype
+
+    def _small_group(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        scale: torch.Tensor | None,
+        hyper: dict[str, float],
+    ) -> None:
+        """Norm weights, biases and other small parameters in a few foreach launches (torch's
+        fused AdamW) instead of one kernel each: their launch would cost more than their bytes."""
+        for p in params:
+            self._host_steps[id(p)] += 1
+        grads = [g.to(p.dtype) for g, p in zip(grads, params, strict=True)]
+        if scale is not None:
+            grads = torch._foreach_mul(grads, scale)
+        states = [self.state[p] for p in params]
+        torch._fused_adamw_(
+            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+            [s["step"] for s in states], lr=hyper["lr"], beta1=hyper["beta1"],
+            beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
+            amsgrad=False, maximize=False,
+        )  # fmt: skip
+        mirrors = [self._mirrors[id(p)] for p in params if id(p) in self._mirrors]
+        if mirrors:
+            torch._foreach_copy_(mirrors, [p for p in params if id(p) in self._mirrors])
 
 
 def _norms_fp32(grads: list[torch.Tensor]) -> list[torch.Tensor]:
