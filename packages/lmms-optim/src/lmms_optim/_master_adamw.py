@@ -5,9 +5,12 @@ every trainable parameter besides AdamW's own: the clip multiply of the fp32 gra
 update, and the copy of the updated masters into the bf16 compute weights. On a Qwen2.5-3B text
 step on an H200 those are 6.8 + 25.3 + ~5 ms of a device-bound 581 ms step
 (benchmarks/models/NOTES.md, item 26). :class:`MasterAdamW` does the three in one kernel per
-parameter (:func:`lmms_optim.flat_adamw_`): the gradient is multiplied by ``clip_scale`` (a device
-scalar, so clipping needs no host read), the master, ``exp_avg`` and ``exp_avg_sq`` are updated
-and the bf16 mirror is written from the new master.
+weight matrix (:func:`lmms_optim.flat_adamw_`): the gradient is multiplied by ``clip_scale`` (a
+device scalar, so clipping needs no host read), the master, ``exp_avg`` and ``exp_avg_sq`` are
+updated and the bf16 mirror is written from the new master. Parameters under ``small_numel``
+elements (norms, biases) go through torch's fused AdamW and one copy together, since a launch
+each would cost more than their bytes. The gradient may be a lower-precision tensor handed over
+by :meth:`set_grad_source` (one micro-batch's bf16 gradient, exact in fp32).
 
 It *is* a ``torch.optim.AdamW`` (same parameter groups, same state: ``step``, ``exp_avg``,
 ``exp_avg_sq`` per parameter, ``step`` a float32 device tensor as with ``fused=True``), so

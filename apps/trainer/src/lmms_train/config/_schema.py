@@ -203,7 +203,7 @@ class TrainerArgs:
     fused_master_step: bool = _f(
         False,
         "AdamW on one process with fp32 masters: clip, update and bf16 write-back in one Triton "
-        "kernel per parameter (`lmms_optim.MasterAdamW`) instead of three passes, reading a "
+        "kernel per weight matrix (`lmms_optim.MasterAdamW`) instead of three passes, reading a "
         "single micro-batch's gradients in bf16. Not yet measured on a GPU "
         "(benchmarks/models/NOTES.md, item 26); same optimizer state and checkpoints.",
     )
