@@ -113,9 +113,12 @@ for s in $STAGES; do
     vl8master) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 270 --profile-steps 25 25 --tag=-master \
       --cases ${VL_CASES:-vl3b_16k vl3b_16k_muon} ;;
-    # Muon's overhead at a larger optimizer step: 4 packs (64k tokens) per step, AdamW then Muon
+    # Muon's overhead at a larger optimizer step: 4 packs (64k tokens) per step, AdamW then Muon.
+    # At GA > 1 the fp32 master gradients live through the next packs' forward (+19 GiB): AdamW
+    # ran out of memory at the GA-1 layout (2026-12-03), so both cases checkpoint 3/4 of the
+    # decoder blocks (~13 GiB less, predicted) and compare at the same layout
     muonga) stage train 300 python3 benchmarks/train/bench_train.py --compile --steps 10 \
-      --warmup 3 --records 1500 --case-timeout 145 --ga 4 --tag=-ga4 \
+      --warmup 3 --records 1500 --case-timeout 145 --ga 4 --ac-fraction 0.75 --tag=-ga4 \
       --cases vl3b_16k vl3b_16k_muon ;;
     *) echo "unknown stage $s" ;;
   esac
