@@ -66,3 +66,41 @@ def test_cli_subprocess_exit_code(tmp_path):
     proc = run_cli([str(bad)])
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "malformed YAML" in proc.stderr
+
+
+def test_out_of_memory_names_the_step_and_the_settings_to_change(
+    tiny_inputs, tmp_path, capsys, monkeypatch
+):
+    """torch.OutOfMemoryError from the step (raised here at step 2: a CPU run cannot run out of
+    device memory) ends with one message: the step, torch's first line, and this run's settings
+    that trade memory for time with their values."""
+    import torch
+
+    import lmms_train._loop as loop
+
+    calls = {"n": 0}
+    real = loop.run_micro_batches
+
+    def oom_on_second_step(**kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB.")
+        return real(**kw)
+
+    monkeypatch.setattr(loop, "run_micro_batches", oom_on_second_step)
+    cfg = tiny_config(
+        tiny_inputs, tmp_path / "out", gradient_accumulation_steps=2,
+        activation_checkpointing="full", activation_checkpointing_fraction=0.5,
+    )  # fmt: skip
+    assert main([str(write_config(cfg, tmp_path / "oom.yaml"))]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    first = "lmms-train: error: out of device memory in step 2: CUDA out of memory. Tried"
+    assert first in err, err
+    for setting in (
+        "activation_checkpointing_fraction: 0.5 -> higher",
+        "gradient_accumulation_steps: 2",
+        "packing_length: 384 -> lower",
+        "LMMS_TRAIN_DEBUG=1",
+    ):
+        assert setting in err, err

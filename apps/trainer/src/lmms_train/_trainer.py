@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from lmms_train._checkpoint import RunCheckpointer
@@ -21,6 +22,7 @@ from lmms_train._forward import make_forward
 from lmms_train._loop import Run, train_loop
 from lmms_train._metrics import ConsoleSink, JsonlSink, MetricsLogger, TensorBoardSink, WandbSink
 from lmms_train._model_setup import build_model, resolve_spec
+from lmms_train._oom import out_of_memory
 from lmms_train._optim_setup import build_optimizer, build_schedule
 from lmms_train._state import TrainState, seed_everything
 from lmms_train.config import TrainConfig, config_to_dict
@@ -138,6 +140,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     )
     try:
         last = train_loop(run)
+    except torch.OutOfMemoryError as exc:
+        raise out_of_memory(exc, cfg, state.step + 1, env.device) from exc
     finally:
         logger.close()
     if t.export_hf and state.step >= t.max_steps:
