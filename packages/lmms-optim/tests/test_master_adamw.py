@@ -62,3 +62,14 @@ def test_triton_path_under_the_interpreter():
 @pytest.mark.gpu
 def test_triton_path_on_the_gpu():
     run_script("master_adamw_checks.py", "cuda", interpret=False)
+
+
+def test_clip_norm_measures_the_gradients_and_is_zero_without_any():
+    a, _, ours, _ = _pair()
+    assert float(ours.clip_norm_(1.0)) == 0.0 and ours.clip_scale is None
+    for p in a:
+        p.grad = torch.full(p.shape, 2.0)
+    norm = ours.clip_norm_(1.0)
+    n = sum(p.numel() for p in a)
+    torch.testing.assert_close(norm, torch.tensor(2.0 * n**0.5))
+    torch.testing.assert_close(ours.clip_scale, torch.tensor(1.0 / (2.0 * n**0.5 + 1e-6)))

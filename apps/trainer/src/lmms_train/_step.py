@@ -139,8 +139,6 @@ def grad_norm(
     `clip_norm_` (`lmms_optim.MasterAdamW`) measures its own gradients and applies the clip
     coefficient in its update, instead of a pass over the gradients here."""
     if hasattr(optimizer, "clip_norm_"):
-        if not optimizer.gradients():
-            return torch.zeros((), device=device)
         return optimizer.clip_norm_(max_norm)
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if not params:

@@ -102,12 +102,13 @@ class MasterAdamW(torch.optim.AdamW):
 
     def clip_norm_(self, max_norm: float) -> torch.Tensor:
         """The global L2 norm of :meth:`gradients` (fp32 accumulation whatever their dtype), as
-        a device tensor; with ``max_norm > 0`` sets :attr:`clip_scale` to
-        ``torch.nn.utils.clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm + 1e-6))``.
-        Nothing is read on the host and no gradient is rewritten."""
+        a device tensor (zero when no parameter has a gradient); with ``max_norm > 0`` sets
+        :attr:`clip_scale` to ``torch.nn.utils.clip_grad_norm_``'s coefficient
+        ``min(1, max_norm / (norm + 1e-6))``. Nothing is read on the host and no gradient is
+        rewritten."""
         grads = self.gradients()
         if not grads:
-            raise ValueError("MasterAdamW.clip_norm_: no parameter has a gradient")
+            return torch.zeros((), device=self.param_groups[0]["params"][0].device)
         if all(g.dtype == torch.float32 for g in grads):
             norm = torch.nn.utils.get_total_norm(grads)  # what clip_grad_norm_ computes
         else:

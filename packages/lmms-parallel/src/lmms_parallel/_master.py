@@ -152,7 +152,7 @@ class MasterWeights:
             on_cuda = self._flat_master.is_cuda
             self._defer = on_cuda if defer_cast is None else defer_cast
             optimizer.set_grad_source(self.gradient)
-        optimizer.register_step_post_hook(lambda *_: self._pending.clear())
+            optimizer.register_step_post_hook(lambda *_: self._pending.clear())
 
     def state_module(self) -> nn.Module:
         """A module with the model's state-dict names: the masters where the model trains, its
