@@ -104,6 +104,11 @@ for s in $STAGES; do
     fusedstep) stage train_fused 560 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 270 --profile-steps 25 25 --fused-master-step \
       --tag=-fused --cases ${FUSED_CASES:-text3b_16k vl3b_16k} ;;
+    # the three-pass optimizer step (clip multiply, torch's fused AdamW, bf16 copy) that
+    # fused_master_step replaced as the default (2026-12-03): THREEPASS_CASES, profiled
+    threepass) stage train_threepass 560 python3 benchmarks/train/bench_train.py --compile \
+      --steps 21 --warmup 4 --records 1500 --case-timeout 270 --profile-steps 25 25 \
+      --no-fused-master-step --tag=-threepass --cases ${THREEPASS_CASES:-text3b_16k vl3b_16k} ;;
     # the vision tower on aten's flash attention (less host time per call than FA4's interface)
     vlattn) stage train_vtorch 300 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 290 --profile-steps 25 25 --vision-attn torch \

@@ -33,6 +33,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -178,7 +179,11 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "use_liger_kernel": not args.tiny,
             "attn_backend": "auto",
             "vision_attn_backend": args.vision_attn,
-            "fused_master_step": args.fused_master_step,
+            **(
+                {}
+                if args.fused_master_step is None
+                else {"fused_master_step": args.fused_master_step}
+            ),
             **ac_layout(case, args),
             "reshard_after_forward": not args.keep,
             "fsdp": True if args.fsdp else None,  # None: FSDP2 only on several processes
@@ -267,11 +272,21 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         "fill": round(sum(r["packing_fill_ratio"] for r in rows) / len(rows), 3),
         "wall_s": round(wall, 1),
         "step_s_each": [round(r["step_time"], 3) for r in rows],  # a lone slow step shows
+        "step_s_median": round(statistics.median(r["step_time"] for r in rows), 3),
+        # steps over 3x the median: on a cold cache, one-off kernel compiles of a new shape; the
+        # mean above keeps them (RESULTS.md quotes both when there are any)
+        "slow_steps": {
+            i: round(r["step_time"], 3)
+            for i, r in enumerate(rows)
+            if r["step_time"] > 3 * statistics.median(x["step_time"] for x in rows)
+        },
         "layout": " ".join(f"{k}={v}" for k, v in ac_layout(case, args).items()),
         "compile": args.compile,
         "loss_backend": args.loss_backend,
         "vision_attn": args.vision_attn or "auto",
-        "fused_master_step": args.fused_master_step,
+        "fused_master_step": "default"
+        if args.fused_master_step is None
+        else args.fused_master_step,
     }
     syncs = work / "runs" / name / "profile" / "syncs_rank0.json"
     if args.profile_steps and syncs.exists():  # where the host waited for the device
@@ -486,8 +501,10 @@ def main() -> None:
     )
     p.add_argument(
         "--fused-master-step",
-        action="store_true",
-        help="trainer_args.fused_master_step: clip, AdamW and bf16 write-back in one kernel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="trainer_args.fused_master_step (clip, AdamW and bf16 write-back in one kernel); "
+        "default: the trainer's (on); --no-fused-master-step for the three-pass step",
     )
     p.add_argument(
         "--vision-attn",

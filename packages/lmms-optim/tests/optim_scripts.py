@@ -12,7 +12,10 @@ HERE = Path(__file__).parent
 def run_script(script: str, *args: str, interpret: bool = True) -> subprocess.CompletedProcess:
     """`python HERE/script args...` with this folder importable (and `TRITON_INTERPRET=1` unless
     `interpret=False`); fails with the script's output when it exits non-zero."""
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+    }
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     r = subprocess.run(

@@ -177,6 +177,9 @@ class MasterAdamW(torch.optim.AdamW):
         if loaded:  # state from load_state_dict: one host read for all, then counted here
             steps = torch.stack([self.state[p]["step"].float().cpu() for p in loaded]).tolist()
             self._host_steps.update((id(p), int(n)) for p, n in zip(loaded, steps, strict=True))
+            for p in loaded:  # load_state_dict keeps ``step`` on the host; the fused kernels
+                state = self.state[p]  # want it beside the parameter
+                state["step"] = state["step"].to(p.device, torch.float32)
         if params:
             torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
         beta1, beta2 = group["betas"]
