@@ -117,6 +117,7 @@ def test_one_process_fsdp_equals_plain_fp32(tiny_inputs, tmp_path, no_torchrun):
         train(config_from_dict(cfg))
         rows = read_jsonl(out / "metrics.jsonl")
         losses[fsdp] = [r[k] for r in rows for k in ("loss", "grad_norm")]
+        assert all(r["perf/gc_s"] >= 0.0 and r["perf/gc_full"] >= 0.0 for r in rows)
     assert len(losses[True]) == 6
     assert losses[True] == pytest.approx(losses[False], rel=2e-5, abs=1e-6)
 

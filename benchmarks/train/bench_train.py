@@ -273,13 +273,20 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         "wall_s": round(wall, 1),
         "step_s_each": [round(r["step_time"], 3) for r in rows],  # a lone slow step shows
         "step_s_median": round(statistics.median(r["step_time"] for r in rows), 3),
-        # steps over 3x the median: on a cold cache, one-off kernel compiles of a new shape; the
-        # mean above keeps them (RESULTS.md quotes both when there are any)
+        # steps over 3x the median (on a cold cache one step in the VL runs, always the same one):
+        # its host GC time and dynamo's graph count tell a full collection from a recompile;
+        # the mean above keeps them (RESULTS.md quotes both when there are any)
         "slow_steps": {
-            i: round(r["step_time"], 3)
-            for i, r in enumerate(rows)
+            r["step"]: {
+                "s": round(r["step_time"], 3),
+                "gc_s": round(r.get("perf/gc_s", 0.0), 3),
+                "graphs": r.get("compile/graphs"),
+            }
+            for r in rows
             if r["step_time"] > 3 * statistics.median(x["step_time"] for x in rows)
         },
+        "gc_s_max": round(max(r.get("perf/gc_s", 0.0) for r in rows), 3),
+        "graphs": sorted({r["compile/graphs"] for r in rows if "compile/graphs" in r}),
         "layout": " ".join(f"{k}={v}" for k, v in ac_layout(case, args).items()),
         "compile": args.compile,
         "loss_backend": args.loss_backend,

@@ -90,3 +90,29 @@ def test_phase_timer_attributes_time_to_the_phase_each_mark_ends():
     assert times["time/forward"] >= 0.03 - 1e-3
     assert times["time/backward"] < 0.01
     assert pt.read() == {}  # read() clears
+
+
+def test_gc_clock_counts_collections_between_takes():
+    import gc
+
+    from lmms_train._gc_clock import GcClock
+
+    clock = GcClock()
+    enabled = gc.isenabled()
+    gc.disable()  # only this test's collections
+    try:
+        clock.take()
+        junk = [[i] for i in range(200_000)]  # tracked objects: a full collection walks them
+        gc.collect()
+        gc.collect(0)
+        got = clock.take()
+        assert got["perf/gc_full"] == 1.0 and got["perf/gc_s"] > 0.0
+        assert clock.take() == {"perf/gc_s": 0.0, "perf/gc_full": 0.0}
+        del junk
+    finally:
+        clock.close()
+        if enabled:
+            gc.enable()
+    assert clock._callback not in gc.callbacks
+    gc.collect()
+    assert clock.take() == {"perf/gc_s": 0.0, "perf/gc_full": 0.0}  # closed: nothing counted

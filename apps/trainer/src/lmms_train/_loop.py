@@ -30,6 +30,7 @@ import lmms_kernels
 from lmms_train._checkpoint import RunCheckpointer
 from lmms_train._dist import DistEnv
 from lmms_train._flops import mfu
+from lmms_train._gc_clock import GcClock
 from lmms_train._metrics import MetricsLogger
 from lmms_train._profile import StepProfiler
 from lmms_train._state import TrainState
@@ -209,6 +210,7 @@ def train_loop(run: Run) -> dict[str, Any]:
     profiler = StepProfiler(
         t.profile_steps, Path(t.output_dir), env.device, env.rank, announce=env.is_main
     )
+    gc_clock = GcClock()
     try:
         while run.state.step < t.max_steps:
             profiler.before_step(run.state.step + 1)
@@ -263,6 +265,7 @@ def train_loop(run: Run) -> dict[str, Any]:
                 "perf/global_seq_len_min": -neg_min,
                 "perf/global_seq_len_max": seq_max,
                 "packing_fill_ratio": per_sp["tokens"] / max(per_sp["capacity"], 1.0),
+                **gc_clock.take(),  # this step's host loop (and the previous step's metrics)
             }
             if t.compile:  # a rise after the first steps is a recompile mid-run
                 host["compile/graphs"] = lmms_kernels.compile_counts()["graphs"]
@@ -293,6 +296,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         if queued is not None:
             last = _finish(run, queued, phases)
     finally:
+        gc_clock.close()
         profiler.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
