@@ -199,6 +199,57 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
     }
 
 
+def summarize(rows: list[dict]) -> dict:
+    """The timed steps' figures: means over all of them (tokens/s, MFU and shares weighted by
+    step time), and, when some step took over 3x the median, the same figures without those
+    steps (`steady`) and each slow step's host GC time and dynamo graph count (on a cold cache
+    every VL run so far had one, always the same step: a full collection and a recompile look
+    the same in the step time)."""
+    dt = sum(r["step_time"] for r in rows)
+
+    def weighted(k: str, part: list[dict] = rows) -> float:
+        return round(
+            sum(r.get(k, 0.0) * r["step_time"] for r in part) / sum(r["step_time"] for r in part), 4
+        )
+
+    median = statistics.median(r["step_time"] for r in rows)
+    slow = [r for r in rows if r["step_time"] > 3 * median]
+    out = {
+        "steps": len(rows),
+        "tok_s": round(sum(r["tokens"] for r in rows) / dt),
+        "mfu": weighted("mfu"),
+        "mfu_lm": weighted("mfu_lm"),
+        "peak_gib": round(max(r.get("peak_memory_gb", 0.0) for r in rows), 1),
+        "data_wait": weighted("data_wait_fraction"),  # exposed: the device may have idled
+        "data_read": weighted("data_read_fraction"),  # all the host's time blocked on the loader
+        "step_s": round(dt / len(rows), 3),
+        "fill": round(sum(r["packing_fill_ratio"] for r in rows) / len(rows), 3),
+        "step_s_each": [round(r["step_time"], 3) for r in rows],
+        "step_s_median": round(median, 3),
+        "slow_steps": {
+            r["step"]: {
+                "s": round(r["step_time"], 3),
+                "gc_s": round(r.get("perf/gc_s", 0.0), 3),
+                "graphs": r.get("compile/graphs"),
+            }
+            for r in slow
+        },
+        "gc_s_max": round(max(r.get("perf/gc_s", 0.0) for r in rows), 3),
+        "graphs": sorted({r["compile/graphs"] for r in rows if "compile/graphs" in r}),
+    }
+    steady = [r for r in rows if r not in slow]
+    if slow and steady:
+        st = sum(r["step_time"] for r in steady)
+        out["steady"] = {
+            "steps": len(steady),
+            "tok_s": round(sum(r["tokens"] for r in steady) / st),
+            "mfu": weighted("mfu", steady),
+            "mfu_lm": weighted("mfu_lm", steady),
+            "step_s": round(st / len(steady), 3),
+        }
+    return out
+
+
 def _save_log(name: str, text: str | bytes | None) -> None:
     """The end of a failed case's stderr, to $OUT/NAME.log (for the traceback)."""
     if os.environ.get("OUT") and text:
@@ -255,38 +306,12 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
     profiled = range(args.profile_steps[0], args.profile_steps[1] + 1) if args.profile_steps else ()
     # timed: step rows after warm-up, not profiled (the profiler slows the steps it records)
     rows = [r for r in rows if args.warmup < r.get("step", 0) not in profiled and "tokens" in r]
-    dt = sum(r["step_time"] for r in rows)
-    share = lambda k: round(sum(r.get(k, 0.0) * r["step_time"] for r in rows) / dt, 4)  # noqa: E731
     out = {
         "case": name,
         "status": "ok",
-        "steps": len(rows),
         "T": cfg["dataset_config"]["packing_length"],
-        "tok_s": round(sum(r["tokens"] for r in rows) / dt),
-        "mfu": share("mfu"),
-        "mfu_lm": share("mfu_lm"),
-        "peak_gib": round(max(r.get("peak_memory_gb", 0.0) for r in rows), 1),
-        "data_wait": share("data_wait_fraction"),  # exposed: the device may have idled
-        "data_read": share("data_read_fraction"),  # all the host's time blocked on the loader
-        "step_s": round(dt / len(rows), 3),
-        "fill": round(sum(r["packing_fill_ratio"] for r in rows) / len(rows), 3),
+        **summarize(rows),
         "wall_s": round(wall, 1),
-        "step_s_each": [round(r["step_time"], 3) for r in rows],  # a lone slow step shows
-        "step_s_median": round(statistics.median(r["step_time"] for r in rows), 3),
-        # steps over 3x the median (on a cold cache one step in the VL runs, always the same one):
-        # its host GC time and dynamo's graph count tell a full collection from a recompile;
-        # the mean above keeps them (RESULTS.md quotes both when there are any)
-        "slow_steps": {
-            r["step"]: {
-                "s": round(r["step_time"], 3),
-                "gc_s": round(r.get("perf/gc_s", 0.0), 3),
-                "graphs": r.get("compile/graphs"),
-            }
-            for r in rows
-            if r["step_time"] > 3 * statistics.median(x["step_time"] for x in rows)
-        },
-        "gc_s_max": round(max(r.get("perf/gc_s", 0.0) for r in rows), 3),
-        "graphs": sorted({r["compile/graphs"] for r in rows if "compile/graphs" in r}),
         "layout": " ".join(f"{k}={v}" for k, v in ac_layout(case, args).items()),
         "compile": args.compile,
         "loss_backend": args.loss_backend,
@@ -583,6 +608,9 @@ def main() -> None:
     print("|" + " --- |" * len(cols))
     for r in results:
         print("| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |")
+        if "steady" in r:  # the same run without its slow steps
+            st = {**r["steady"], "case": f"{r['case']} steady ({r['steady']['steps']} steps)"}
+            print("| " + " | ".join(str(st.get(c, "")) for c in cols) + " |")
     base = {r["case"]: r for r in results if r["status"] == "ok"}
     for ref in ("hf_sdpa", "hf_sdpa_liger"):
         if ref in base and "vl3b_16k" in base:
