@@ -21,25 +21,25 @@ def bench_train():
         sys.path.remove(str(_DIR))
 
 
-def _row(step, t, *, gc_s=0.0, graphs=4):
+def _row(step, t, *, gc_s=0.0, graphs=4, fa4=10):
     return {
         "step": step, "step_time": t, "tokens": 16384, "mfu": 0.4 * 0.85 / t,
         "mfu_lm": 0.3 * 0.85 / t, "peak_memory_gb": 123.4, "data_wait_fraction": 0.0,
         "data_read_fraction": 0.02, "packing_fill_ratio": 1.0, "perf/gc_s": gc_s,
-        "compile/graphs": graphs,
+        "compile/graphs": graphs, "compile/fa4_variants": fa4,
     }  # fmt: skip
 
 
 def test_a_slow_step_is_kept_in_the_mean_and_left_out_of_steady(bench_train):
-    rows = [_row(s, 0.85) for s in range(5, 13)] + [_row(13, 6.0, gc_s=5.1)]
-    rows += [_row(s, 0.85) for s in range(14, 25)]
+    rows = [_row(s, 0.85) for s in range(5, 13)] + [_row(13, 6.0, gc_s=5.1, fa4=12)]
+    rows += [_row(s, 0.85, fa4=12) for s in range(14, 25)]
     out = bench_train.summarize(rows)
     assert out["steps"] == 20 and out["step_s"] == pytest.approx((19 * 0.85 + 6.0) / 20, abs=1e-3)
     assert out["tok_s"] == round(20 * 16384 / (19 * 0.85 + 6.0))
     # MFU weighted by step time: the slow step counts for its time, not as one of 20
     assert out["mfu"] == pytest.approx(20 * 0.4 * 0.85 / (19 * 0.85 + 6.0), abs=1e-4)
-    assert out["slow_steps"] == {13: {"s": 6.0, "gc_s": 5.1, "graphs": 4}}
-    assert out["gc_s_max"] == 5.1 and out["graphs"] == [4]
+    assert out["slow_steps"] == {13: {"s": 6.0, "gc_s": 5.1, "graphs": 4, "fa4_variants": 12}}
+    assert out["gc_s_max"] == 5.1 and out["graphs"] == [4] and out["fa4_variants"] == [10, 12]
     steady = out["steady"]
     assert steady["steps"] == 19 and steady["step_s"] == 0.85
     assert steady["tok_s"] == round(16384 / 0.85) and steady["mfu"] == pytest.approx(0.4)

@@ -231,11 +231,15 @@ def summarize(rows: list[dict]) -> dict:
                 "s": round(r["step_time"], 3),
                 "gc_s": round(r.get("perf/gc_s", 0.0), 3),
                 "graphs": r.get("compile/graphs"),
+                "fa4_variants": r.get("compile/fa4_variants"),
             }
             for r in slow
         },
         "gc_s_max": round(max(r.get("perf/gc_s", 0.0) for r in rows), 3),
         "graphs": sorted({r["compile/graphs"] for r in rows if "compile/graphs" in r}),
+        "fa4_variants": sorted(
+            {r["compile/fa4_variants"] for r in rows if "compile/fa4_variants" in r}
+        ),
     }
     steady = [r for r in rows if r not in slow]
     if slow and steady:

@@ -44,3 +44,13 @@ def test_auto_prefers_fastest_on_cuda():
     avail = lk.available_backends("cuda")
     assert lk.resolve_backend("auto", "cuda") == avail[0]
     assert avail[0] in FAST
+
+
+def test_fa4_variants_counts_the_kernels_fa4_holds():
+    if "fa4" not in lk.available_backends("cuda"):
+        pytest.skip("fa4 not installed")
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
+    q = torch.randn(300, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = lk.varlen_attention(q, q, q, cu, cu, 200, 200, causal=True, backend="fa4")
+    out.sum().backward()
+    assert lk.fa4_variants() >= 2  # at least one forward and one backward kernel

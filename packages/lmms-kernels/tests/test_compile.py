@@ -267,3 +267,27 @@ def test_liger_patched_blocks_compile_with_upstream_math(monkeypatch):
     torch.testing.assert_close(loss, eager_loss, atol=1e-5, rtol=1e-5)
     compiled.remove()
     handle.remove()
+
+
+def test_fa4_variants_reads_fa4s_compile_caches(monkeypatch):
+    """Without FA4 (CPU) there is nothing to count; with its interface imported, the two compile
+    caches' entries are counted (FA4 itself runs only on the GPU: its GPU test calls it)."""
+    import sys
+    import types
+
+    monkeypatch.delitem(sys.modules, "flash_attn.cute.interface", raising=False)
+    assert lk.fa4_variants() is None
+
+    class JITCache:  # FA4's layout: the compiled functions in a dict under `.cache`
+        def __init__(self, n):
+            self.cache = {("key", i): object() for i in range(n)}
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd = lambda: None
+    interface._flash_attn_fwd.compile_cache = JITCache(3)
+    interface._flash_attn_bwd = lambda: None
+    interface._flash_attn_bwd.compile_cache = JITCache(2)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    assert lk.fa4_variants() == 5
+    interface._flash_attn_bwd.compile_cache = object()  # a layout it does not know
+    assert lk.fa4_variants() is None

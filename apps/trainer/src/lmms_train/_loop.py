@@ -269,6 +269,9 @@ def train_loop(run: Run) -> dict[str, Any]:
             }
             if t.compile:  # a rise after the first steps is a recompile mid-run
                 host["compile/graphs"] = lmms_kernels.compile_counts()["graphs"]
+            fa4 = lmms_kernels.fa4_variants()
+            if fa4 is not None:  # a rise: FA4 compiled (or loaded) a size-picked variant
+                host["compile/fa4_variants"] = fa4
             if queued is not None:  # the previous step: its work finished before this one's
                 last = _finish(run, queued, phases)
             evaluating = bool(t.eval_steps and run.eval_data is not None)

@@ -18,13 +18,14 @@ the first pack where they differ recompiles the block in the middle of training.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-__all__ = ["CompileHandle", "compile_blocks", "compile_counts"]
+__all__ = ["CompileHandle", "compile_blocks", "compile_counts", "fa4_variants"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,6 +69,25 @@ def compile_counts() -> dict[str, int]:
         "graphs": int(counters["stats"].get("unique_graphs", 0)),
         "graph_breaks": int(sum(counters["graph_break"].values())),
     }
+
+
+def fa4_variants() -> int | None:
+    """FA4 kernel variants this process holds (forward and backward compile caches), or None
+    when FA4's interface is not imported. FA4 picks tile and split settings from the sizes of
+    each call and compiles each new combination on first use (or reads it from its disk cache,
+    which the trainer turns on), so a rise mid-run marks a step that paid for one."""
+    interface = sys.modules.get("flash_attn.cute.interface")
+    if interface is None:
+        return None
+    total = 0
+    for name in ("_flash_attn_fwd", "_flash_attn_bwd"):
+        cache = getattr(getattr(interface, name, None), "compile_cache", None)
+        entries = getattr(cache, "cache", cache)  # FA4's JITCache keeps a dict in `.cache`
+        try:
+            total += len(entries)
+        except TypeError:  # a layout this function does not know
+            return None
+    return total
 
 
 def _no_duck_sizing() -> None:
