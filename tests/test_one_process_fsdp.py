@@ -148,8 +148,8 @@ def _losses(out) -> list[float]:
 def test_fused_master_step_equals_the_three_passes(tiny_inputs, tmp_path, no_torchrun):
     """`fused_master_step: true` (lmms_optim.MasterAdamW: clip scale and bf16 write-back inside
     the optimizer step) on CPU runs torch's AdamW with the same clip multiply and copies, so
-    losses and grad norms equal the default path's bit for bit, with clipping active, and the
-    default path resumes its checkpoint exactly (same optimizer state)."""
+    losses and grad norms equal the three-pass path's bit for bit, with clipping active, and the
+    three-pass path resumes the fused path's checkpoint exactly (same optimizer state)."""
     runs, losses = {}, {}
     for fused in (False, True):
         out = runs[fused] = tmp_path / f"fused_{fused}"
@@ -164,7 +164,7 @@ def test_fused_master_step_equals_the_three_passes(tiny_inputs, tmp_path, no_tor
     out = tmp_path / "resumed"
     cfg = tiny_config(
         tiny_inputs, out, max_steps=4, save_final=False, bf16=True, max_grad_norm=0.05,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=2, fused_master_step=False,
         resume_from=str(runs[True] / "checkpoints" / "step_000002"),
     )  # fmt: skip
     train(config_from_dict(cfg))
@@ -176,17 +176,28 @@ def test_fused_master_step_equals_the_three_passes(tiny_inputs, tmp_path, no_tor
 def test_fused_master_step_matches_on_the_gpu(tiny_inputs, tmp_path, no_torchrun, ga):
     """On CUDA the fused step is the Triton kernel (not bit-identical to torch's fused AdamW:
     another rounding order), reading bf16 gradients at GA 1 and fp32 ones at GA 2; losses and
-    grad norms agree within the kernels' spread."""
+    grad norms agree within the kernels' spread. The fused run then resumes its own step-2
+    checkpoint (torch's `load_state_dict` leaves the step counts on the host: the fused step must
+    move them) and repeats its last two steps."""
     losses = {}
     for fused in (False, True):
         out = tmp_path / f"fused_{fused}"
         cfg = tiny_config(
-            tiny_inputs, out, max_steps=4, save_final=False, device="cuda", bf16=True,
-            gradient_accumulation_steps=ga, max_grad_norm=0.05, fused_master_step=fused,
+            tiny_inputs, out, max_steps=4, save_steps=2, save_final=False, device="cuda",
+            bf16=True, gradient_accumulation_steps=ga, max_grad_norm=0.05,
+            fused_master_step=fused,
         )  # fmt: skip
         train(config_from_dict(cfg))
         losses[fused] = _losses(out)
     assert losses[True] == pytest.approx(losses[False], rel=2e-3)
+    out = tmp_path / "resumed"
+    cfg = tiny_config(
+        tiny_inputs, out, max_steps=4, save_final=False, device="cuda", bf16=True,
+        gradient_accumulation_steps=ga, max_grad_norm=0.05,
+        resume_from=str(tmp_path / "fused_True" / "checkpoints" / "step_000002"),
+    )  # fmt: skip
+    train(config_from_dict(cfg))
+    assert _losses(out) == pytest.approx(losses[True][4:], rel=2e-3)
 
 
 def test_step_metrics_are_read_one_step_late(tiny_inputs, tmp_path, monkeypatch, no_torchrun):
