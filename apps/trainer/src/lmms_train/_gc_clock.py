@@ -1,9 +1,9 @@
 """Host time in Python's cyclic garbage collector, per training step.
 
-A full (generation 2) collection walks every tracked object; after a cold ``torch.compile`` the
-process holds millions of them (graphs, guards, sympy expressions), so one collection can stall
-the host for seconds while the device drains its queue. The clock makes such a step visible in
-the metrics instead of leaving it to guesswork.
+A full (generation 2) collection walks every tracked object, and a process that has compiled
+models holds many (graphs, guards, symbolic shapes), so one collection can stall the host long
+enough for the device to drain its queue. The clock makes such a step visible in the metrics
+instead of leaving it to guesswork (benchmarks/models/NOTES.md, item 27).
 """
 
 from __future__ import annotations
