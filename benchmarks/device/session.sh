@@ -118,6 +118,14 @@ for s in $STAGES; do
     vl8master) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 270 --profile-steps 25 25 --tag=-master \
       --cases ${VL_CASES:-vl3b_16k vl3b_16k_muon} ;;
+    # VL 32k with 3/4 of the decoder blocks checkpointed instead of all (NOTES item 29: the
+    # all-blocks layout peaked at 104 GiB, ~30 GiB under the card), after the default layout
+    vl32ac) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 280 --profile-steps 25 25 --tag=-master \
+      --cases vl3b_32k
+      stage train_ac75 290 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 280 --ac-fraction 0.75 --tag=-ac75 \
+      --cases vl3b_32k ;;
     # Muon's overhead at a larger optimizer step: 4 packs (64k tokens) per step, AdamW then Muon.
     # At GA > 1 the fp32 master gradients live through the next packs' forward (+19 GiB): AdamW
     # ran out of memory at the GA-1 layout (2026-12-03), so both cases checkpoint 3/4 of the
