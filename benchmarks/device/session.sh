@@ -118,6 +118,15 @@ for s in $STAGES; do
     vl8master) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 270 --profile-steps 25 25 --tag=-master \
       --cases ${VL_CASES:-vl3b_16k vl3b_16k_muon} ;;
+    # VL 16k with fewer checkpointed decoder blocks than half (NOTES item 30), after the default
+    vl16ac) stage train 300 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 280 --tag=-master --cases vl3b_16k
+      stage train_ac37 150 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 140 --ac-fraction 0.375 --tag=-ac37 \
+      --cases vl3b_16k
+      stage train_ac25 150 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 140 --ac-fraction 0.25 --tag=-ac25 \
+      --cases vl3b_16k ;;
     # VL 32k with 3/4 of the decoder blocks checkpointed instead of all (NOTES item 29: the
     # all-blocks layout peaked at 104 GiB, ~30 GiB under the card), after the default layout
     vl32ac) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 21 \
