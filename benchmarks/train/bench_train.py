@@ -1,7 +1,7 @@
 """End-to-end training speed of `lmms-train` on one GPU, with plain transformers measured alongside.
 
 Each lmms case writes a YAML config and runs the real CLI (`python -m lmms_train CONFIG`) in a
-subprocess on a synthetic dataset generated here: Qwen2.5-VL-3B-shaped model (random weights),
+subprocess on a synthetic dataset (`bench_records.py`): Qwen2.5-VL-3B-shaped model (random weights),
 one image per sample with sides drawn from 224–672 px, long-tailed text (lognormal, median ~250
 tokens, cap 4096), the mix the calibration scripts in ../shared/calibration use. Numbers come from
 the run's own `metrics.jsonl` (steps after `--warmup`): tokens/s, total and LM-only MFU against
@@ -27,11 +27,9 @@ writes bench_train.json to $OUT if set.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -40,6 +38,7 @@ import time
 from pathlib import Path
 
 import trace_gaps  # beside this script
+from bench_records import make_records, write_parquet  # beside this script
 
 ROOT = Path(__file__).resolve().parents[2]
 PEAK = 989e12  # H100/H200 dense bf16 datasheet, as peers report MFU
@@ -86,61 +85,6 @@ def ac_layout(case: dict, args) -> dict:
         if getattr(args, flag) is not None
     }
     return layout
-
-
-WORDS = [
-    "the", "a", "of", "to", "and", "in", "is", "it", "that", "for", "on", "with", "as", "was",
-    "by", "at", "from", "this", "be", "are", "or", "an", "which", "one", "image", "shows",
-    "red", "blue", "green", "circle", "square", "triangle", "large", "small", "left", "right",
-    "top", "bottom", "count", "there", "two", "three", "four", "colour", "shape", "next",
-    "under", "above", "between", "object", "picture", "describe", "answer"
-]  # fmt: skip
-
-
-def make_records(n: int, seed: int, *, images: bool, tiny: bool) -> list[dict]:
-    """Records in lmms-data's Parquet layout: `messages` (JSON) + `images` (list of JPEG bytes)."""
-    from PIL import Image
-
-    rng = random.Random(seed)
-    sides = [56, 84] if tiny else [224, 336, 448, 560, 672]
-    cache: dict[tuple[int, int], bytes] = {}
-    out = []
-    for i in range(n):
-        n_txt = min(64 if tiny else 4096, int(rng.lognormvariate(3.0 if tiny else 5.5, 0.9))) + 8
-        words = [rng.choice(WORDS) for _ in range(max(2, int(n_txt / 1.6)))]
-        cut = max(1, len(words) // 5)
-        q, a = " ".join(words[:cut]), " ".join(words[cut:])
-        user = [{"type": "text", "text": q}]
-        rec: dict = {}
-        if images:
-            side = rng.choice(sides)
-            key = (side, i % 8)  # a few distinct images per size: decoding cost stays real
-            if key not in cache:
-                img = Image.effect_noise((side, side), 64).convert("RGB")
-                buf = io.BytesIO()
-                img.save(buf, format="JPEG", quality=85)
-                cache[key] = buf.getvalue()
-            user = [{"type": "image"}, *user]
-            rec["images"] = [cache[key]]
-        rec["messages"] = json.dumps(
-            [
-                {"role": "user", "content": user},
-                {"role": "assistant", "content": [{"type": "text", "text": a}]},
-            ]
-        )
-        out.append(rec)
-    return out
-
-
-def write_parquet(records: list[dict], path: Path) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cols = {"messages": [r["messages"] for r in records]}
-    if "images" in records[0]:
-        cols["images"] = pa.array([r["images"] for r in records], type=pa.list_(pa.binary()))
-    pq.write_table(pa.table(cols), path, row_group_size=64)
 
 
 def lmms_config(name: str, case: dict, work: Path, args) -> dict:
