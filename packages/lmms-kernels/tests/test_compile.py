@@ -270,8 +270,8 @@ def test_liger_patched_blocks_compile_with_upstream_math(monkeypatch):
 
 
 def test_fa4_variants_reads_fa4s_compile_caches(monkeypatch):
-    """Without FA4 (CPU) there is nothing to count; with its interface imported, the two compile
-    caches' entries are counted (FA4 itself runs only on the GPU: its GPU test calls it)."""
+    """Without FA4 (CPU) there is nothing to count; with its interface imported, every compile
+    cache's entries are counted (FA4 itself runs only on the GPU: its GPU test calls it)."""
     import sys
     import types
 
@@ -287,7 +287,11 @@ def test_fa4_variants_reads_fa4s_compile_caches(monkeypatch):
     interface._flash_attn_fwd.compile_cache = JITCache(3)
     interface._flash_attn_bwd = lambda: None
     interface._flash_attn_bwd.compile_cache = JITCache(2)
+    interface._compute_tile_cumsum = lambda: None  # a helper kernel's cache counts too
+    interface._compute_tile_cumsum.compile_cache = JITCache(1)
+    interface.flash_attn_varlen_func = lambda: None  # no cache: not counted
+    interface.CompileKey = tuple  # a class, not a kernel
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
-    assert lk.fa4_variants() == 5
+    assert lk.fa4_variants() == 6
     interface._flash_attn_bwd.compile_cache = object()  # a layout it does not know
     assert lk.fa4_variants() is None

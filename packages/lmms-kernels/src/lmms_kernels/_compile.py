@@ -72,16 +72,19 @@ def compile_counts() -> dict[str, int]:
 
 
 def fa4_variants() -> int | None:
-    """FA4 kernel variants this process holds (forward and backward compile caches), or None
-    when FA4's interface is not imported. FA4 picks tile and split settings from the sizes of
-    each call and compiles each new combination on first use (or reads it from its disk cache,
-    which the trainer turns on), so a rise mid-run marks a step that paid for one."""
+    """FA4 kernels this process holds (every compile cache of FA4's interface: forward,
+    backward and their helper kernels), or None when FA4's interface is not imported. FA4 picks
+    tile, split and scheduler settings from the sizes of each call and compiles each new
+    combination on first use (or reads it from its disk cache, which the trainer turns on), so
+    a rise mid-run marks a step that paid for one."""
     interface = sys.modules.get("flash_attn.cute.interface")
     if interface is None:
         return None
     total = 0
-    for name in ("_flash_attn_fwd", "_flash_attn_bwd"):
-        cache = getattr(getattr(interface, name, None), "compile_cache", None)
+    for fn in list(vars(interface).values()):
+        cache = getattr(fn, "compile_cache", None) if callable(fn) else None
+        if cache is None:
+            continue
         entries = getattr(cache, "cache", cache)  # FA4's JITCache keeps a dict in `.cache`
         try:
             total += len(entries)
