@@ -171,6 +171,21 @@ def test_fused_master_step_equals_the_three_passes(tiny_inputs, tmp_path, no_tor
     assert _losses(out) == losses[True][4:]
 
 
+def test_linear_patch_embed_trains_as_the_convolution(tiny_inputs, tmp_path, no_torchrun):
+    """`linear_patch_embed: true` (the VL patch embedding as one GEMM): the same losses and grad
+    norms as upstream's Conv3d within fp32 reordering."""
+    losses = {}
+    for linear in (False, True):
+        out = tmp_path / f"linear_{linear}"
+        cfg = tiny_config(
+            tiny_inputs, out, max_steps=3, save_final=False, linear_patch_embed=linear
+        )
+        train(config_from_dict(cfg))
+        losses[linear] = _losses(out)
+    assert len(losses[True]) == 6
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ga", [1, 2])
 def test_fused_master_step_matches_on_the_gpu(tiny_inputs, tmp_path, no_torchrun, ga):

@@ -118,6 +118,10 @@ for s in $STAGES; do
     vl8master) stage train 570 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 270 --profile-steps 25 25 --tag=-master \
       --cases ${VL_CASES:-vl3b_16k vl3b_16k_muon} ;;
+    # the vision patch embedding as one GEMM instead of cuDNN's Conv3d (NOTES item 31), profiled
+    vlpatch) stage train_patch 300 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 290 --profile-steps 25 25 --linear-patch-embed \
+      --tag=-patch --cases vl3b_16k ;;
     # VL 16k with fewer checkpointed decoder blocks than half (NOTES item 30), after the default
     vl16ac) stage train 300 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 280 --tag=-master --cases vl3b_16k

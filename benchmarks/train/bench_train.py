@@ -123,6 +123,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "use_liger_kernel": not args.tiny,
             "attn_backend": "auto",
             "vision_attn_backend": args.vision_attn,
+            "linear_patch_embed": args.linear_patch_embed,
             **(
                 {}
                 if args.fused_master_step is None
@@ -264,6 +265,7 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         "compile": args.compile,
         "loss_backend": args.loss_backend,
         "vision_attn": args.vision_attn or "auto",
+        "linear_patch_embed": args.linear_patch_embed,
         "fused_master_step": "default"
         if args.fused_master_step is None
         else args.fused_master_step,
@@ -485,6 +487,11 @@ def main() -> None:
         default=None,
         help="trainer_args.fused_master_step (clip, AdamW and bf16 write-back in one kernel); "
         "default: the trainer's (on); --no-fused-master-step for the three-pass step",
+    )
+    p.add_argument(
+        "--linear-patch-embed",
+        action="store_true",
+        help="trainer_args.linear_patch_embed: the vision patch embedding as one GEMM",
     )
     p.add_argument(
         "--vision-attn",

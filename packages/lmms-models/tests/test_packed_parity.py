@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmms_models import get_model_spec
+from lmms_models import get_model_spec, linear_patch_embed
 from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
 
 TEXT_FAMILIES = ["qwen2", "qwen2_5", "qwen3", "qwen3_moe"]
@@ -284,3 +284,49 @@ def test_a_vision_tower_on_its_own_backend_gives_the_same_packed_loss():
     assert visual
     for k in visual:
         torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("name", VL_FAMILIES)
+def test_linear_patch_embed_equals_the_convolution(name):
+    spec, model, batch = tiny_pack(name)
+    tower = spec.vision_tower(model)
+    embed = tower.patch_embed
+    keys = list(model.state_dict())
+    x = torch.randn(37, embed.proj.weight[0].numel(), generator=torch.Generator().manual_seed(2))
+    ref = embed(x)
+    loss_ref, _ = spec.packed_forward(model, batch)
+    loss_ref.backward()
+    g_ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    handle = linear_patch_embed(tower)
+    assert handle.module is embed and "forward" in vars(embed)
+    torch.testing.assert_close(embed(x), ref, rtol=1e-5, atol=1e-6)
+    loss, _ = spec.packed_forward(model, batch)
+    loss.backward()
+    g = _grads(model)
+    torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=1e-6)
+    assert set(g) == set(g_ref)
+    for k in g_ref:
+        torch.testing.assert_close(
+            g[k], g_ref[k], rtol=1e-4, atol=1e-5, msg=k
+        )  # fp32 sums reordered
+    assert list(model.state_dict()) == keys  # parameters untouched: checkpoints do not change
+
+    handle.remove()
+    assert "forward" not in vars(embed) and handle.module is None
+    torch.testing.assert_close(embed(x), ref, rtol=0, atol=0)
+
+
+def test_linear_patch_embed_leaves_other_modules_alone():
+    assert linear_patch_embed(None).module is None  # a text model has no tower
+    spec = get_model_spec("qwen2_5_vl")
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
+    tower = spec.vision_tower(model)
+    proj = tower.patch_embed.proj
+    padded = torch.nn.Conv3d(
+        proj.in_channels, proj.out_channels, proj.kernel_size, stride=proj.stride, padding=1
+    )
+    tower.patch_embed.proj = padded  # a window per patch no longer: not a matrix product
+    assert linear_patch_embed(tower).module is None
+    assert "forward" not in vars(tower.patch_embed)

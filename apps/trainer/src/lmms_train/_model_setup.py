@@ -198,6 +198,10 @@ def build_model(
     except (ValueError, TypeError, OSError) as exc:
         raise UserError(f"model_config: could not build {spec.name}: {exc}") from exc
     frozen = _freeze(model, spec, t.freeze)
+    if t.linear_patch_embed:
+        from lmms_models import linear_patch_embed
+
+        handles.append(linear_patch_embed(spec.vision_tower(model)))
     if t.use_liger_kernel:
         handles.append(_apply_liger(model, spec, env))
     if env.sp > 1:

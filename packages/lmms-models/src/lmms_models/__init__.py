@@ -8,6 +8,7 @@ sequence parallel. Adding a family is one folder under ``families/`` (docs/addin
 
 from ._attention import UPSTREAM_BACKENDS, set_attention, text_attention_kwargs
 from ._flops import attention_flops
+from ._patch_embed import PatchEmbedHandle, linear_patch_embed
 from ._registry import MODEL_REGISTRY, get_model_spec, list_models, register_model
 from ._spec import IGNORE_INDEX, ModelSpec, shift_labels_packed, to_device
 from ._vl import TINY_TOKEN_IDS, QwenVLSpec
@@ -18,9 +19,11 @@ __all__ = [
     "TINY_TOKEN_IDS",
     "UPSTREAM_BACKENDS",
     "ModelSpec",
+    "PatchEmbedHandle",
     "QwenVLSpec",
     "attention_flops",
     "get_model_spec",
+    "linear_patch_embed",
     "list_models",
     "register_model",
     "set_attention",

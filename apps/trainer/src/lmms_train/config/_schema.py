@@ -241,6 +241,13 @@ class TrainerArgs:
         "(aten flash attention) takes head dim 80 unpadded: 3 GiB less than `fa4` at Qwen2.5-VL "
         "16k, the same speed within the run-to-run spread (benchmarks/RESULTS.md).",
     )
+    linear_patch_embed: bool = _f(
+        False,
+        "Run the vision tower's patch embedding (a Conv3d with one window per patch) as one GEMM "
+        "(`lmms_models.linear_patch_embed`; same parameters and checkpoints) instead of through "
+        "cuDNN, which chooses an engine for every new patch count. Not yet measured on a GPU "
+        "(benchmarks/models/NOTES.md, item 31).",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = _f(
         "none",
         "Recompute activations per decoder block in backward to save memory: `full` (keep only "
