@@ -45,7 +45,7 @@ def _one_window_per_patch(proj: nn.Module) -> bool:
 
 def _linear_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     weight = self.proj.weight  # [D, C, T, P, P]; the patches arrive flattened in (C, T, P, P) order
-    patches = hidden_states.reshape(-1, weight[0].numel()).to(weight.dtype)
+    patches = hidden_states.reshape(-1, weight.shape[1:].numel()).to(weight.dtype)
     return F.linear(patches, weight.reshape(weight.size(0), -1), self.proj.bias)
 
 
