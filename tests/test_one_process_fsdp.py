@@ -183,7 +183,7 @@ def test_linear_patch_embed_trains_as_the_convolution(tiny_inputs, tmp_path, no_
         train(config_from_dict(cfg))
         losses[linear] = _losses(out)
     assert len(losses[True]) == 6
-    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)  # grad norms: 1e-5 apart
 
 
 @pytest.mark.gpu
