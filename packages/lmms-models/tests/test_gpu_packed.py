@@ -104,3 +104,26 @@ def test_qwen2_5_vl_tower_runs_without_host_sync_from_host_grids():
         ref = base.get_image_features(**device_kwargs).pooler_output
     for a, b in zip(host, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+def test_linear_patch_embed_matches_cudnn_on_gpu(name):
+    """bf16 on CUDA: the GEMM against cuDNN's Conv3d, forward and weight gradient, at a patch
+    count of a real pack (both accumulate in fp32; they differ by bf16 rounding of the output)."""
+    from lmms_models import linear_patch_embed
+
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), device="cuda", dtype=torch.bfloat16)
+    embed = spec.vision_tower(model).patch_embed
+    x = torch.randn(20_608, embed.proj.weight[0].numel(), device="cuda")
+    grads = []
+    for linear in (False, True):
+        handle = linear_patch_embed(spec.vision_tower(model)) if linear else None
+        out = embed(x)
+        (g,) = torch.autograd.grad(out.float().square().sum(), embed.proj.weight)
+        grads.append((out.float(), g.float()))
+        if handle is not None:
+            handle.remove()
+    (ref, g_ref), (got, g) = grads
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(g, g_ref, rtol=3e-2, atol=3e-2 * g_ref.abs().max().item())
