@@ -119,7 +119,9 @@ for s in $STAGES; do
       --warmup 4 --records 1500 --case-timeout 270 --profile-steps 25 25 --tag=-master \
       --cases ${VL_CASES:-vl3b_16k vl3b_16k_muon} ;;
     # the vision patch embedding as one GEMM instead of cuDNN's Conv3d (NOTES item 31), profiled
-    vlpatch) stage train_patch 300 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+    vlpatch) stage gpu_tests 60 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-models/tests/test_gpu_packed.py -k linear_patch_embed
+      stage train_patch 300 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 290 --profile-steps 25 25 --linear-patch-embed \
       --tag=-patch --cases vl3b_16k ;;
     # VL 16k with fewer checkpointed decoder blocks than half (NOTES item 30), after the default
