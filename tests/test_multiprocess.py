@@ -39,6 +39,12 @@ def test_fsdp_and_sp_match_single_process(tiny_inputs, tmp_path):
                     "dataset_config.num_workers=0"], nproc=2)  # fmt: skip
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     assert _losses(tmp_path / "fsdp") == pytest.approx(expected, rel=2e-5, abs=1e-6)
+    # the patch embedding as one GEMM reads the root unit's gathered Conv3d weight directly
+    linear = run_cli([str(cfg), f"trainer_args.output_dir={tmp_path / 'linear'}",
+                      "trainer_args.gradient_accumulation_steps=1", "dataset_config.num_workers=0",
+                      "trainer_args.linear_patch_embed=true"], nproc=2)  # fmt: skip
+    assert linear.returncode == 0, linear.stderr[-3000:]
+    assert _losses(tmp_path / "linear") == pytest.approx(_losses(tmp_path / "fsdp"), rel=1e-4)
 
     sp = run_cli(
         [
