@@ -147,9 +147,9 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
 def summarize(rows: list[dict]) -> dict:
     """The timed steps' figures: means over all of them (tokens/s, MFU and shares weighted by
     step time), and, when some step took over 3x the median, the same figures without those
-    steps (`steady`) and each slow step's host GC time and dynamo graph count (on a cold cache
-    every VL run so far had one, always the same step: a full collection and a recompile look
-    the same in the step time)."""
+    steps (`steady`) and each slow step's host GC time, dynamo graph count and FA4 kernel count
+    (on a cold cache every VL run so far had one, always the same step: a full collection, a
+    recompile and a new FA4 variant look the same in the step time)."""
     dt = sum(r["step_time"] for r in rows)
 
     def weighted(k: str, part: list[dict] = rows) -> float:
