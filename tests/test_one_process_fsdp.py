@@ -243,6 +243,28 @@ def test_step_metrics_are_read_one_step_late(tiny_inputs, tmp_path, monkeypatch,
     assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
+def test_a_stalled_step_is_named_on_stderr(tiny_inputs, tmp_path, monkeypatch, no_torchrun, capfd):
+    """A step whose host stalls (here a sleep in its micro-batches, as a kernel compiled on first
+    use would) is named on stderr with its time against the median."""
+    import time
+
+    real = loop.run_micro_batches
+    calls = []
+
+    def stalling(**kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            time.sleep(2.0)
+        return real(**kwargs)
+
+    monkeypatch.setattr(loop, "run_micro_batches", stalling)
+    cfg = tiny_config(tiny_inputs, tmp_path / "run", max_steps=7, save_final=False)
+    train(config_from_dict(cfg))
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if "[lmms-train] slow step" in ln]
+    named = [ln for ln in lines if ln.startswith("[lmms-train] slow step 6 took ")]
+    assert len(named) == 1 and "x the median of the last " in named[0], lines
+
+
 def test_next_steps_packs_are_read_while_the_backward_runs(
     tiny_inputs, tmp_path, monkeypatch, no_torchrun
 ):

@@ -116,3 +116,24 @@ def test_gc_clock_counts_collections_between_takes():
     assert clock._callback not in gc.callbacks
     gc.collect()
     assert clock.take() == {"perf/gc_s": 0.0, "perf/gc_full": 0.0}  # closed: nothing counted
+
+
+def test_slow_steps_names_a_stall_and_its_likely_cause():
+    from lmms_train._slow_steps import SlowSteps
+
+    slow = SlowSteps(factor=3.0, window=20, warmup=3)
+    row = {"step_time": 1.0, "compile/graphs": 4, "compile/fa4_variants": 10, "perf/gc_s": 0.0}
+    assert slow.check(1, {**row, "step_time": 9.0}) is None  # no median yet: compile steps
+    assert slow.check(2, row) is None
+    assert slow.check(3, {**row, "compile/graphs": 5}) is None  # a rise in an ordinary step
+    assert slow.check(4, {**row, "compile/graphs": 5}) is None
+    msg = slow.check(5, {**row, "step_time": 6.0, "compile/graphs": 5, "compile/fa4_variants": 12})
+    assert msg.startswith("step 5 took 6.00 s, 6.0x the median of the last 4 (1.00 s)")
+    assert msg.endswith(": 2 new FA4 kernel(s)")  # the graphs rose before this step
+    msg = slow.check(6, {**row, "step_time": 5.0, "compile/graphs": 6, "compile/fa4_variants": 12,
+                         "perf/gc_s": 4.0})  # fmt: skip
+    assert "1 new dynamo graph(s); 4.00 s in Python's garbage collector" in msg
+    assert "median of the last 4" in msg  # the stalls stayed out of the median
+    assert "no new graphs" in slow.check(7, {**row, "step_time": 4.0, "compile/graphs": 6,
+                                             "compile/fa4_variants": 12})  # fmt: skip
+    assert slow.check(8, {"step_time": 2.9}) is None  # under 3x: ordinary

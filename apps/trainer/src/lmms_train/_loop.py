@@ -33,6 +33,7 @@ from lmms_train._flops import mfu
 from lmms_train._gc_clock import GcClock
 from lmms_train._metrics import MetricsLogger
 from lmms_train._profile import StepProfiler
+from lmms_train._slow_steps import SlowSteps
 from lmms_train._state import TrainState
 from lmms_train._step import (
     STAT_KEYS,
@@ -69,6 +70,7 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
     peak_flops: float = 1.0
     stop_requested: bool = False
+    slow_steps: SlowSteps = field(default_factory=SlowSteps)  # names one-off stalls on stderr
 
 
 def _flops_fn(run: Run):
@@ -191,6 +193,9 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
         metrics["eval_loss"] = evaluate(run)
     if env.is_main:
         run.logger.log(q.step, metrics)
+        slow = run.slow_steps.check(q.step, metrics)
+        if slow:
+            print(f"[lmms-train] slow {slow}", file=sys.stderr, flush=True)
     if not math.isfinite(metrics["loss"]):
         raise FloatingPointError(f"loss is {metrics['loss']} at step {q.step}")
     return metrics

@@ -1,0 +1,49 @@
+"""One line on stderr for a step far slower than the steps before it, with what its host did.
+
+A one-off stall (a kernel compiled on first use, a recompile, a full garbage collection) hides in
+a long run's mean; the line names the step and, from the step's own metrics, the likely cause:
+new dynamo graphs (`compile/graphs`), new FA4 kernels (`compile/fa4_variants`) or seconds in
+Python's collector (`perf/gc_s`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+_COUNTERS = (("compile/graphs", "dynamo graph(s)"), ("compile/fa4_variants", "FA4 kernel(s)"))
+
+
+class SlowSteps:
+    """``check(step, metrics)``: a message when ``step_time`` exceeds ``factor`` x the median of
+    the last ``window`` ordinary steps (after ``warmup`` of them), else None. Slow steps stay
+    out of the median, so one stall does not hide the next."""
+
+    def __init__(self, *, factor: float = 3.0, window: int = 20, warmup: int = 3) -> None:
+        self.factor, self.warmup = factor, warmup
+        self._times: deque[float] = deque(maxlen=window)
+        self._counters: dict[str, float] = {}
+
+    def check(self, step: int, metrics: Mapping[str, Any]) -> str | None:
+        t = float(metrics["step_time"])
+        causes = []
+        for key, what in _COUNTERS:
+            now, before = metrics.get(key), self._counters.get(key)
+            if now is not None:
+                if before is not None and now > before:
+                    causes.append(f"{int(now - before)} new {what}")
+                self._counters[key] = now
+        median = statistics.median(self._times) if len(self._times) >= self.warmup else None
+        if median is None or t <= self.factor * median:
+            self._times.append(t)
+            return None
+        gc_s = float(metrics.get("perf/gc_s", 0.0))
+        if gc_s >= 0.1 * t:
+            causes.append(f"{gc_s:.2f} s in Python's garbage collector")
+        cause = "; ".join(causes) or "no new graphs or FA4 kernels, little garbage collection"
+        return (
+            f"step {step} took {t:.2f} s, {t / median:.1f}x the median of the last "
+            f"{len(self._times)} ({median:.2f} s): {cause}"
+        )
