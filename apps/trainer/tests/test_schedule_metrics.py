@@ -137,3 +137,30 @@ def test_slow_steps_names_a_stall_and_its_likely_cause():
     assert "no new graphs" in slow.check(7, {**row, "step_time": 4.0, "compile/graphs": 6,
                                              "compile/fa4_variants": 12})  # fmt: skip
     assert slow.check(8, {"step_time": 2.9}) is None  # under 3x: ordinary
+
+
+def test_slow_steps_names_the_fa4_key_fields_a_stalled_step_switched(monkeypatch):
+    """A stalled step whose FA4 count rose: the message says which of FA4's compile-key fields
+    the new kernel has that the closest held one did not (what to compile ahead)."""
+    import sys
+    import types
+
+    from lmms_train._slow_steps import SlowSteps
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_bwd = lambda: None
+    cache = {("bf16", 80, False): 0, ("bf16", 128, False): 1}
+    interface._flash_attn_bwd.compile_cache = cache
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    slow = SlowSteps(factor=3.0, window=20, warmup=3)
+    for step in range(1, 5):
+        slow.note_fa4(step, len(cache))
+        assert slow.check(step, {"step_time": 1.0, "compile/fa4_variants": len(cache)}) is None
+    cache[("bf16", 80, True)] = 2  # step 5 compiles the single-block variant of the first key
+    slow.note_fa4(5, len(cache))
+    msg = slow.check(5, {"step_time": 5.0, "compile/fa4_variants": len(cache)})
+    assert msg.endswith("1 new FA4 kernel(s) (FA4 _flash_attn_bwd: new key, key[2]: False -> True)")
+    cache[("bf16", 128, True)] = 3  # a rise in an ordinary step: kept quiet, then forgotten
+    slow.note_fa4(6, len(cache))
+    assert slow.check(6, {"step_time": 1.0, "compile/fa4_variants": len(cache)}) is None
+    assert not slow._fa4_new

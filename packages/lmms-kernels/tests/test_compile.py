@@ -295,3 +295,29 @@ def test_fa4_variants_reads_fa4s_compile_caches(monkeypatch):
     assert lk.fa4_variants() == 6
     interface._flash_attn_bwd.compile_cache = object()  # a layout it does not know
     assert lk.fa4_variants() is None
+
+
+def test_new_fa4_kernels_are_described_by_the_key_fields_they_changed(monkeypatch):
+    """A snapshot of FA4's keys before and after a step: each new key is shown against the held
+    key of its cache that differs in the fewest places (what a new size switched)."""
+    import sys
+    import types
+
+    monkeypatch.delitem(sys.modules, "flash_attn.cute.interface", raising=False)
+    assert lk.fa4_kernel_keys() is None
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_bwd = lambda: None
+    bwd = {("bf16", 128, False, False): 0, ("bf16", 96, True, False): 1}
+    interface._flash_attn_bwd.compile_cache = types.SimpleNamespace(cache=bwd)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    before = lk.fa4_kernel_keys()
+    assert before == {"_flash_attn_bwd": frozenset(bwd)}
+    assert lk.describe_new_fa4_kernels(before, lk.fa4_kernel_keys()) == []
+    bwd[("bf16", 128, False, True)] = 2  # nearest held key: the first, one place apart
+    interface._flash_attn_fwd = lambda: None
+    interface._flash_attn_fwd.compile_cache = {("fwd", 1): 0}  # a cache seen for the first time
+    lines = lk.describe_new_fa4_kernels(before, lk.fa4_kernel_keys())
+    assert lines == [
+        "_flash_attn_bwd: new key, key[3]: False -> True",
+        "_flash_attn_fwd: first kernel of its kind, key ('fwd', 1)",
+    ]

@@ -277,6 +277,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             fa4 = lmms_kernels.fa4_variants()
             if fa4 is not None:  # a rise: FA4 compiled (or loaded) a size-picked variant
                 host["compile/fa4_variants"] = fa4
+                run.slow_steps.note_fa4(step, fa4)
             if queued is not None:  # the previous step: its work finished before this one's
                 last = _finish(run, queued, phases)
             evaluating = bool(t.eval_steps and run.eval_data is not None)

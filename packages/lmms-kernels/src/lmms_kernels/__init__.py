@@ -2,7 +2,14 @@
 
 from . import _attention_ops  # noqa: F401  (registers the lmms_kernels:: custom ops)
 from ._attention import BACKENDS, available_backends, resolve_backend, varlen_attention
-from ._compile import CompileHandle, compile_blocks, compile_counts, fa4_variants
+from ._compile import (
+    CompileHandle,
+    compile_blocks,
+    compile_counts,
+    describe_new_fa4_kernels,
+    fa4_kernel_keys,
+    fa4_variants,
+)
 from ._flce import fused_linear_cross_entropy
 from ._hf import register_varlen_attention
 from ._liger import LIGER_FAMILIES, PatchHandle, apply_liger
@@ -16,6 +23,8 @@ __all__ = [
     "available_backends",
     "compile_blocks",
     "compile_counts",
+    "describe_new_fa4_kernels",
+    "fa4_kernel_keys",
     "fa4_variants",
     "fused_linear_cross_entropy",
     "register_varlen_attention",

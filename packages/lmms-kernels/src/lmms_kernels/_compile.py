@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["CompileHandle", "compile_blocks", "compile_counts", "fa4_variants"]
+__all__ = [
+    "CompileHandle",
+    "compile_blocks",
+    "compile_counts",
+    "describe_new_fa4_kernels",
+    "fa4_kernel_keys",
+    "fa4_variants",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,26 +78,73 @@ def compile_counts() -> dict[str, int]:
     }
 
 
+def _fa4_caches() -> dict[str, object] | None:
+    """FA4's compile caches by the name of the function holding them (forward, backward and
+    their helper kernels' entries: a dict, or FA4's JITCache with the dict in ``.cache``), or
+    None when FA4's interface is not imported or a cache has a layout this module does not know."""
+    interface = sys.modules.get("flash_attn.cute.interface")
+    if interface is None:
+        return None
+    caches = {}
+    for name, fn in list(vars(interface).items()):
+        cache = getattr(fn, "compile_cache", None) if callable(fn) else None
+        if cache is None:
+            continue
+        entries = getattr(cache, "cache", cache)
+        if not hasattr(entries, "__len__") or not hasattr(entries, "keys"):
+            return None
+        caches[name] = entries
+    return caches
+
+
 def fa4_variants() -> int | None:
     """FA4 kernels this process holds (every compile cache of FA4's interface: forward,
     backward and their helper kernels), or None when FA4's interface is not imported. FA4 picks
     tile, split and scheduler settings from the sizes of each call and compiles each new
     combination on first use (or reads it from its disk cache, which the trainer turns on), so
     a rise mid-run marks a step that paid for one."""
-    interface = sys.modules.get("flash_attn.cute.interface")
-    if interface is None:
+    caches = _fa4_caches()
+    return None if caches is None else sum(len(c) for c in caches.values())  # type: ignore[arg-type]
+
+
+def fa4_kernel_keys() -> dict[str, frozenset] | None:
+    """The compile keys FA4 holds, by cache (see :func:`fa4_variants`); None without FA4."""
+    caches = _fa4_caches()
+    if caches is None:
         return None
-    total = 0
-    for fn in list(vars(interface).values()):
-        cache = getattr(fn, "compile_cache", None) if callable(fn) else None
-        if cache is None:
-            continue
-        entries = getattr(cache, "cache", cache)  # FA4's JITCache keeps a dict in `.cache`
-        try:
-            total += len(entries)
-        except TypeError:  # a layout this function does not know
-            return None
-    return total
+    return {name: frozenset(c.keys()) for name, c in caches.items()}  # type: ignore[attr-defined]
+
+
+def describe_new_fa4_kernels(
+    before: dict[str, frozenset], after: dict[str, frozenset]
+) -> list[str]:
+    """One line per kernel in ``after`` and not in ``before`` (two :func:`fa4_kernel_keys`
+    snapshots): its cache and, against the held key of that cache that differs from it in the
+    fewest places, those places as ``key[i]: old -> new``. FA4's keys are tuples of settings it
+    picked for a call (tiles, flags derived from the call's sizes), so the differing places name
+    what a new size changed."""
+    lines = []
+    for name, keys in after.items():
+        held = before.get(name, frozenset())
+        for key in sorted(keys - held, key=repr):
+            lines.append(f"{name}: {_closest_difference(key, held)}")
+    return lines
+
+
+def _closest_difference(key: object, held: frozenset) -> str:
+    same_shape = [
+        k for k in held if isinstance(k, tuple) and isinstance(key, tuple) and len(k) == len(key)
+    ]
+    if not same_shape:
+        return f"first kernel of its kind, key {key!r}"
+    assert isinstance(key, tuple)
+
+    def differing(k: tuple) -> list[int]:
+        return [i for i, (a, b) in enumerate(zip(k, key)) if a != b]
+
+    nearest = min(same_shape, key=lambda k: (len(differing(k)), repr(k)))
+    places = ", ".join(f"key[{i}]: {nearest[i]!r} -> {key[i]!r}" for i in differing(nearest))
+    return f"new key, {places}"
 
 
 def _no_duck_sizing() -> None:
