@@ -48,6 +48,11 @@ def check_kernels(device: str, shapes, dtypes=(torch.bfloat16, torch.float32)) -
             X = X / X.norm(dim=(-2, -1), keepdim=True)
             out2 = _triton_ns.ns_triton(X.contiguous(), [(3.4445, -4.7750, 2.0315)] * 5, step=step)
             assert_ns_close(out2.cpu(), G.mT)
+        for H in (G, G.mT):  # the Gram form with its symmetric products in Triton, both ways
+            sym = newton_schulz(H.to(device), method="gram", backend="triton")
+            plain = newton_schulz(H.to(device), method="gram", backend="torch")
+            assert_ns_close(sym.cpu(), H)
+            assert rel(sym, plain) < 5e-2, ("gram triton vs torch", H.shape, rel(sym, plain))
         done.append(f"ns {nb}x{n}x{m}")
     return done
 

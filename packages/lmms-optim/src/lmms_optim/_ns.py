@@ -157,18 +157,30 @@ def _ns_gram(
     scale: float = 1.0,
     inv_norm: torch.Tensor | None = None,
     restart: int = GRAM_RESTART,
+    symmetric: bool = False,
 ) -> torch.Tensor:
     """Gram-space NS on a stack X [B, r, c] (bf16, contiguous, either orientation).
 
     ``inv_norm`` [B] (fp32): per-matrix factor applied to X first (the Frobenius scaling, folded
     into the Gram and into Q, so X itself is never rescaled); None when X is already scaled.
     Returns ``scale · NS(inv_norm · X)`` (bf16, X's orientation). Wide: ``X_k = Q_k X``; tall:
-    ``X_k = X Q_kᵀ`` with ``A = XᵀX``. Every product is one bf16 cuBLAS call (fp32 accumulation).
+    ``X_k = X Q_kᵀ`` with ``A = XᵀX``. Every product is one bf16 cuBLAS call (fp32 accumulation),
+    except with ``symmetric``: the Gram of X and ``b·A + c·A²`` (symmetric results) go through
+    the Triton upper-triangle kernel (``_triton_ns.gram``), half their FLOPs.
     """
     tall = X.size(-2) > X.size(-1)
+    if symmetric:
+        from ._triton_ns import gram as sym_gram
 
     def gram(Y: torch.Tensor) -> torch.Tensor:  # [B, m, m]
+        if symmetric:
+            return sym_gram(Y.mT if tall else Y)
         return torch.bmm(Y.mT, Y) if tall else torch.bmm(Y, Y.mT)
+
+    def poly(A: torch.Tensor, b: float, c: float) -> torch.Tensor:  # b·A + c·A²
+        if symmetric:  # A is symmetric: A² = A Aᵀ
+            return sym_gram(A, epilogue=A, alpha=c, beta=b)
+        return torch.baddbmm(A, A, A, beta=b, alpha=c)
 
     def apply(Q: torch.Tensor, Y: torch.Tensor, s: float) -> torch.Tensor:  # s·Q·Y / s·Y·Qᵀ
         lhs, rhs = (Y, Q.mT) if tall else (Q, Y)
@@ -186,7 +198,7 @@ def _ns_gram(
     for i, (a, b, c) in enumerate(coeffs):
         # M = a·I + B is never rounded to bf16 (its diagonal would swamp B): every product with
         # M is a GEMM whose fp32 epilogue adds the a·(...) term.
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
+        B = poly(A, b, c)
         if Q is None:  # Q = M (times the pending scale), one rounding
             Qf = B.float()
             Qf.diagonal(dim1=-2, dim2=-1).add_(a)
@@ -275,8 +287,9 @@ def newton_schulz(
 
     Returns bf16 of the same shape. Each matrix of a stack is scaled by its own Frobenius norm.
     ``method``: ``"standard"`` (the published iteration), ``"gram"`` (the same polynomial on
-    ``m × m`` matrices, cuBLAS; see the module docstring) or ``"auto"`` (Gram when the aspect
-    ratio is at least ``GRAM_MIN_ASPECT`` and ``backend`` is not ``"triton"``).
+    ``m × m`` matrices, cuBLAS, or with ``backend="triton"`` its symmetric products in Triton's
+    upper-triangle kernel; see the module docstring) or ``"auto"`` (Gram when the aspect ratio
+    is at least ``GRAM_MIN_ASPECT`` and ``backend`` is not ``"triton"``).
     ``backend="auto"`` picks Triton on CUDA (symmetric Gram kernels: half the FLOPs of the two
     ``m × m`` products) when the stack holds enough work (``B·m²·n >= 2**34``), torch elsewhere; ``"triton"`` also runs on CPU under
     ``TRITON_INTERPRET=1`` (tests only: slow).
@@ -292,7 +305,7 @@ def newton_schulz(
         )
     X, inv = _prepare_stack(G, schedule.norm_scale, eps)
     if _use_gram(method, backend, G.size(-2), G.size(-1)):
-        out = _ns_gram(X, coeffs, inv_norm=inv)
+        out = _ns_gram(X, coeffs, inv_norm=inv, symmetric=backend == "triton")
     else:
         out = _ns_stack(X.mul_(inv.view(-1, 1, 1)), coeffs, backend)
     return out.reshape(G.shape)
