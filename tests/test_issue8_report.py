@@ -76,3 +76,26 @@ def test_a_sync_or_an_exposed_data_wait_fails_its_target(tmp_path):
     assert got["data wait < 2% of the step (every lmms row)"] == "not met"
     assert got["Muon step within 10% of AdamW (vl3b_16k)"] == "met"  # +9.3%
     assert got["vl3b_16k >= 1.6x calibration"] == "not measured"
+
+
+def test_gradient_accumulation_rows_are_cases_of_their_own(tmp_path):
+    """A GA-4 row (four packs per optimizer step) never replaces the GA-1 case the targets
+    name; Muon is compared with AdamW at every size and GA measured with both."""
+    path = _write(
+        tmp_path, "d.json",
+        [_lmms("vl3b_16k-master", 19000, 0.48, 0.38, 0.855),
+         _lmms("vl3b_16k_muon-master", 15300, 0.39, 0.30, 1.070),
+         _lmms("vl3b_32k-master", 17900, 0.456, 0.353, 1.826),
+         _lmms("vl3b_32k_muon-master", 16000, 0.407, 0.315, 2.046),
+         _lmms("vl3b_16k-ga4", 18600, 0.47, 0.37, 3.515),
+         {**_lmms("vl3b_16k_muon-x", 17900, 0.45, 0.35, 3.664), "ga": 4}],
+    )  # fmt: skip
+    rows = report.load_rows([path])
+    assert rows["vl3b_16k"]["row"] == "vl3b_16k-master"
+    assert rows["vl3b_16k@ga4"]["row"] == "vl3b_16k-ga4"
+    assert rows["vl3b_16k_muon@ga4"]["row"] == "vl3b_16k_muon-x"  # from its "ga" field
+    got = _verdicts(report.verdicts(rows, None, None))
+    assert got["vl3b_16k total MFU >= 45.0%"] == "met"  # the GA-1 row: 48%
+    assert got["Muon step within 10% of AdamW (vl3b_16k)"] == "not met"  # +25.1%
+    assert got["Muon step within 10% of AdamW (vl3b_32k)"] == "not met"  # +12.0%
+    assert got["Muon step within 10% of AdamW (vl3b_16k@ga4)"] == "met"  # +4.2%

@@ -148,6 +148,13 @@ for s in $STAGES; do
     muonga) stage train 300 python3 benchmarks/train/bench_train.py --compile --steps 10 \
       --warmup 3 --records 1500 --case-timeout 145 --ga 4 --ac-fraction 0.75 --tag=-ga4 \
       --cases vl3b_16k vl3b_16k_muon ;;
+    # lmms_optim.MasterMuon (NOTES item 32): its GPU tests, then Muon at 16k and 32k with it; the
+    # baselines are vl8master's vl3b_16k, vl3b_16k_muon, vl3b_32k, vl3b_32k_muon, same machine
+    muonfused) stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-optim/tests/test_master_muon.py
+      stage train_mfused 430 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 210 --profile-steps 25 25 --muon-fused-step \
+      --tag=-mfused --cases ${MFUSED_CASES:-vl3b_16k_muon vl3b_32k_muon} ;;
     *) echo "unknown stage $s" ;;
   esac
 done

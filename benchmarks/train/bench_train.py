@@ -129,6 +129,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
                 if args.fused_master_step is None
                 else {"fused_master_step": args.fused_master_step}
             ),
+            **({"muon_fused_step": True} if args.muon_fused_step else {}),
             **ac_layout(case, args),
             "reshard_after_forward": not args.keep,
             "fsdp": True if args.fsdp else None,  # None: FSDP2 only on several processes
@@ -269,6 +270,8 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         "fused_master_step": "default"
         if args.fused_master_step is None
         else args.fused_master_step,
+        "muon_fused_step": args.muon_fused_step,
+        "ga": args.ga,
     }
     syncs = work / "runs" / name / "profile" / "syncs_rank0.json"
     if args.profile_steps and syncs.exists():  # where the host waited for the device
@@ -487,6 +490,12 @@ def main() -> None:
         default=None,
         help="trainer_args.fused_master_step (clip, AdamW and bf16 write-back in one kernel); "
         "default: the trainer's (on); --no-fused-master-step for the three-pass step",
+    )
+    p.add_argument(
+        "--muon-fused-step",
+        action="store_true",
+        help="trainer_args.muon_fused_step (lmms_optim.MasterMuon: Muon's memory-bound passes "
+        "fused, bf16 gradients read as they are); Muon cases only",
     )
     p.add_argument(
         "--linear-patch-embed",

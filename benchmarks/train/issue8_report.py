@@ -6,15 +6,18 @@
 Reads `bench_train.py`'s JSON rows (lmms cases and the plain-transformers baselines) and the
 calibration scripts' `RESULT {...}` lines, and prints the rows and each target's verdict in
 Markdown, for RESULTS.md. A row is picked per case by its name before the tag (`vl3b_16k-master`
-is `vl3b_16k`); when a case appears more than once the last one given wins, and the table says
-which row was used. Speed targets read the steady figures when a run had a slow step (one-off
-compile; `bench_train.summarize`), and say so.
+is `vl3b_16k`) and its gradient accumulation (a GA-4 row is `vl3b_16k@ga4`: four packs per
+optimizer step, so it never stands in for the GA-1 case the targets name); when a case appears
+more than once the last one given wins, and the table says which row was used. Speed targets
+read the steady figures when a run had a slow step (one-off compile; `bench_train.summarize`),
+and say so. Muon is compared with AdamW for every case measured with both.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -26,13 +29,18 @@ TARGETS = {  # case -> (figure, threshold) for the MFU targets
 
 
 def load_rows(paths: list[Path]) -> dict[str, dict]:
-    """Base case name -> its last ok row (the full row name kept under "row")."""
+    """Case key (base name, ``@ga<N>`` for N > 1) -> its last ok row (the full row name kept
+    under "row"). N is the row's ``ga`` or, for rows written before bench_train recorded it, a
+    ``-ga<N>`` tag."""
     rows: dict[str, dict] = {}
     for path in paths:
         for r in json.loads(path.read_text()):
             if r.get("status") == "ok":
                 row = with_steady({**r, "row": r["case"], "file": path.name})
-                rows[r["case"].split("-")[0]] = row
+                tag = re.search(r"-ga(\d+)\b", r["case"])
+                ga = int(r.get("ga") or (tag.group(1) if tag else 1))
+                base = r["case"].split("-")[0]
+                rows[base if ga == 1 else f"{base}@ga{ga}"] = row
     return rows
 
 
@@ -127,12 +135,15 @@ def verdicts(rows: dict[str, dict], calib_vl: dict | None, calib_text: dict | No
             f"| text3b_16k vs its calibration (no target) | {steady(text)['tok_s']:,} / "
             f"{calib_text['tok_s']:,} = {steady(text)['tok_s'] / calib_text['tok_s']:.2f}x | - |"
         )
-    muon = rows.get("vl3b_16k_muon")
-    if vl and muon:
-        extra = steady(muon)["step_s"] / steady(vl)["step_s"] - 1
-        add("Muon step within 10% of AdamW (vl3b_16k)", f"{100 * extra:+.1f}%", extra <= 0.10)
-    else:
-        add("Muon step within 10% of AdamW (vl3b_16k)", "-", None)
+    pairs = [(c.replace("_muon", ""), c) for c in rows if "_muon" in c]
+    pairs = [(a, m) for a, m in pairs if a in rows] or [("vl3b_16k", "vl3b_16k_muon")]
+    for adamw, muon in sorted(pairs):
+        name = f"Muon step within 10% of AdamW ({adamw})"
+        if adamw not in rows or muon not in rows:
+            add(name, "-", None)
+            continue
+        extra = steady(rows[muon])["step_s"] / steady(rows[adamw])["step_s"] - 1
+        add(name, f"{100 * extra:+.1f}%", extra <= 0.10)
     lmms = [r for c, r in rows.items() if not c.startswith("hf_")]
     profiled = [r for r in lmms if "host_waits" in r]
     syncs = sum(r["host_waits"]["sync"]["count"] for r in profiled)
