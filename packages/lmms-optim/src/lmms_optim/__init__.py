@@ -6,6 +6,7 @@ Depends on torch only; Triton (shipped with CUDA builds of torch) is imported la
 from ._flat_adamw import flat_adamw_, segment_chunks
 from ._groups import DEFAULT_ADAMW_PATTERNS, build_muon_param_groups
 from ._master_adamw import MasterAdamW
+from ._master_muon import MasterMuon
 from ._muon import Muon, lr_scale
 from ._ns import (
     COEFFICIENT_SCHEDULES,
@@ -19,6 +20,7 @@ __all__ = [
     "COEFFICIENT_SCHEDULES",
     "DEFAULT_ADAMW_PATTERNS",
     "MasterAdamW",
+    "MasterMuon",
     "Muon",
     "NSSchedule",
     "build_muon_param_groups",

@@ -27,41 +27,30 @@ from typing import Any
 import torch
 
 from ._flat_adamw import Hyper, _step_triton, flat_adamw_, segment_chunks
+from ._muon import _local
 
-__all__ = ["MasterAdamW"]
+__all__ = ["MasterAdamW", "MasterStep"]
 
 _BLOCK = 8192  # elements per chunk of one parameter (the kernel's work per program)
 
 
-class MasterAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` with the gradient-clip multiply and a bf16 write-back in its step.
+class MasterStep:
+    """What :class:`MasterAdamW` and ``MasterMuon`` share: the clip scale, the gradient source,
+    the low-precision mirrors, the global norm, and the AdamW update of their AdamW parameters
+    on the Triton path (:func:`flat_adamw_` for big parameters, torch's fused AdamW for small
+    ones). Mixed into a ``torch.optim.Optimizer`` whose AdamW groups carry ``lr``, ``betas``,
+    ``eps`` and ``weight_decay``; ``_init_master`` sets its attributes."""
 
-    Args:
-        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (no amsgrad, maximize,
-            capturable or differentiable: the kernel implements the plain update).
-        backend: ``"auto"`` (the Triton kernel on CUDA when Triton imports, torch's AdamW
-            otherwise), ``"triton"`` or ``"torch"``.
+    param_groups: list[dict[str, Any]]
+    state: Any
+    backend: str
 
-    Before each :meth:`step`, set :attr:`clip_scale` to a 0-d fp32 device tensor (the clip
-    coefficient, <= 1) or leave it ``None``; the step multiplies every gradient by it (the
-    Triton path without touching the gradient) and clears it. :meth:`set_mirrors` gives each
-    stepped parameter a low-precision tensor that receives its new value after every step.
-    """
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        *,
-        backend: str = "auto",
-    ) -> None:
+    def _init_master(self, backend: str) -> None:
         if backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        self.backend = backend
+            name = type(self).__name__
+            raise ValueError(
+                f"{name}: backend must be 'auto', 'triton' or 'torch', got {backend!r}"
+            )
         self.clip_scale: torch.Tensor | None = None
         self._mirrors: dict[int, torch.Tensor] = {}
         self._chunks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -75,15 +64,16 @@ class MasterAdamW(torch.optim.AdamW):
     def set_mirrors(self, mirrors: dict[int, torch.Tensor]) -> None:
         """``id(parameter) -> tensor`` of the same shape (any float dtype) written after each
         step; every stepped parameter needs one (a partial map would leave weights stale)."""
+        name = type(self).__name__
         stepped = [p for g in self.param_groups for p in g["params"]]
         missing = [tuple(p.shape) for p in stepped if id(p) not in mirrors]
         if missing:
-            raise ValueError(f"MasterAdamW.set_mirrors: no mirror for parameters {missing[:4]}")
+            raise ValueError(f"{name}.set_mirrors: no mirror for parameters {missing[:4]}")
         for p in stepped:
             m = mirrors[id(p)]
             if m.shape != p.shape or m.device != p.device or not m.is_contiguous():
                 raise ValueError(
-                    f"MasterAdamW.set_mirrors: a mirror must be a contiguous tensor of the "
+                    f"{name}.set_mirrors: a mirror must be a contiguous tensor of the "
                     f"parameter's shape and device; got {tuple(m.shape)} on {m.device} for "
                     f"{tuple(p.shape)} on {p.device}"
                 )
@@ -117,15 +107,16 @@ class MasterAdamW(torch.optim.AdamW):
                 by_dtype.setdefault(g.dtype, []).append(g)
             norms = [n for gs in by_dtype.values() for n in _norms_fp32(gs)]
             norm = torch.linalg.vector_norm(torch.stack(norms))
+        if hasattr(norm, "full_tensor"):  # DTensor gradients (FSDP2): all-reduced on the device
+            norm = norm.full_tensor()
         if max_norm > 0:
             self.clip_scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return norm
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # type: ignore[misc]
         self._host_steps.clear()  # re-read from the loaded ``step`` tensors at the next step
 
-    # ------------------------------------------------------------------ step
     def _use_triton(self, params: list[torch.Tensor]) -> bool:
         if self.backend == "torch" or not params:
             return False
@@ -140,30 +131,33 @@ class MasterAdamW(torch.optim.AdamW):
             return False
         return True
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def _start_step(
+        self, closure: Callable[[], float] | None
+    ) -> tuple[float | None, torch.Tensor | None, list[torch.Tensor]]:
+        """The closure's loss, the clip scale (consumed) and the parameters with a gradient."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         scale, self.clip_scale = self.clip_scale, None
-        grad_of = self._grad_of
-        params = [p for g in self.param_groups for p in g["params"] if grad_of(p) is not None]
-        if self._use_triton(params):
-            for group in self.param_groups:
-                self._triton_group(group, scale)
-        else:
-            for p in params:  # a lower-precision gradient from the source: cast, exactly
-                if p.grad is None:
-                    p.grad = grad_of(p).to(p.dtype)
-            if scale is not None and params:
-                torch._foreach_mul_([p.grad for p in params], scale)
-            super().step()
-            if self._mirrors and params:
-                torch._foreach_copy_([self._mirrors[id(p)] for p in params], params)
-        return loss
+        grads = ((p, self._grad_of(p)) for g in self.param_groups for p in g["params"])
+        return loss, scale, [p for p, g in grads if g is not None]
 
-    def _triton_group(self, group: dict[str, Any], scale: torch.Tensor | None) -> None:
+    def _torch_step(
+        self, params: list[torch.Tensor], scale: torch.Tensor | None, step: Callable[[], Any]
+    ) -> None:
+        """The plain path: gradients from the source cast to the parameter's dtype (exact), the
+        clip multiply, the base optimizer's own ``step`` and one copy into the mirrors."""
+        for p in params:  # a lower-precision gradient from the source: cast, exactly
+            if p.grad is None:
+                p.grad = self._grad_of(p).to(p.dtype)  # type: ignore[union-attr]
+        if scale is not None and params:
+            torch._foreach_mul_([_local(p.grad) for p in params], scale)
+        step()
+        if self._mirrors and params:
+            torch._foreach_copy_([self._mirrors[id(p)] for p in params], params)
+
+    def _adamw_triton_group(self, group: dict[str, Any], scale: torch.Tensor | None) -> None:
         grads = {id(p): self._grad_of(p) for p in group["params"]}
         params = [p for p in group["params"] if grads[id(p)] is not None]
         for p in params:
@@ -232,6 +226,47 @@ class MasterAdamW(torch.optim.AdamW):
         mirrors = [self._mirrors[id(p)] for p in params if id(p) in self._mirrors]
         if mirrors:
             torch._foreach_copy_(mirrors, [p for p in params if id(p) in self._mirrors])
+
+
+class MasterAdamW(MasterStep, torch.optim.AdamW):
+    """``torch.optim.AdamW`` with the gradient-clip multiply and a bf16 write-back in its step.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (no amsgrad, maximize,
+            capturable or differentiable: the kernel implements the plain update).
+        backend: ``"auto"`` (the Triton kernel on CUDA when Triton imports, torch's AdamW
+            otherwise), ``"triton"`` or ``"torch"``.
+
+    Before each :meth:`step`, set :attr:`clip_scale` to a 0-d fp32 device tensor (the clip
+    coefficient, <= 1) or leave it ``None``; the step multiplies every gradient by it (the
+    Triton path without touching the gradient) and clears it. :meth:`set_mirrors` gives each
+    stepped parameter a low-precision tensor that receives its new value after every step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._init_master(backend)
+        self.backend = backend
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss, scale, params = self._start_step(closure)
+        if self._use_triton(params):
+            for group in self.param_groups:
+                self._adamw_triton_group(group, scale)
+        else:
+            self._torch_step(params, scale, super().step)
+        return loss
 
 
 def _norms_fp32(grads: list[torch.Tensor]) -> list[torch.Tensor]:

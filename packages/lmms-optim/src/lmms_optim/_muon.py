@@ -229,14 +229,7 @@ class Muon(Optimizer):
         one bf16 stack in the matrices' own orientation (nesterov lerp and cast in one pass, no
         transpose), one fp32 norm call, batched NS with ``-lr·lr_scale`` folded into the last
         GEMM, then ``W = (1 - lr·wd)·W + O`` in one contiguous pass per matrix."""
-        buckets: dict[tuple, list[int]] = defaultdict(list)
-        for i, (p, g, _, grp) in enumerate(local):
-            r, c = g.size(0), g[0].numel()
-            scale = -grp["lr"] * lr_scale(grp["adjust_lr"], p.shape)
-            decay = 1.0 - grp["lr"] * grp["weight_decay"]
-            key = (r, c, g.device, _ns_key(grp), scale, decay)
-            buckets[key].append(i)
-        for (r, c, device, (steps, schedule), scale, decay), idx in buckets.items():
+        for (r, c, device, ns_key, scale, decay), idx in _buckets(local).items():
             X = torch.empty(len(idx), r, c, device=device, dtype=torch.bfloat16)  # [B, r, c]
             for j, i in enumerate(idx):
                 _, g, b, grp = local[i]
@@ -246,19 +239,7 @@ class Muon(Optimizer):
                 else:
                     X[j].copy_(b2)
             norm = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=torch.float32)  # [B]
-            inv = norm.mul_(schedule.norm_scale).add_(1e-7).reciprocal_()
-            # On CUDA the GEMM epilogue is fp32, so folding the lr into it costs no precision; the
-            # CPU bf16 GEMM rounds before its epilogue, so there the lr is applied in fp32.
-            fold = X.is_cuda
-            coeffs = schedule.for_steps(steps)
-            if _use_gram(self.ns_method, self.backend, r, c):
-                self._mark("stack")  # the Frobenius scaling rides in the Gram (no pass over X)
-                out = _ns_gram(X, coeffs, scale if fold else 1.0, inv_norm=inv)
-            else:
-                X.mul_(inv.view(-1, 1, 1))
-                self._mark("stack")
-                out = _ns_stack(X, coeffs, self.backend, scale if fold else 1.0)  # [B, r, c]
-            self._mark("ns")
+            out, fold = self._ns_bucket(X, norm, ns_key, scale)
             for j, i in enumerate(idx):
                 lp = _local(local[i][0])
                 o = out[j].reshape(lp.shape)
@@ -270,6 +251,29 @@ class Muon(Optimizer):
                     lp.add_(o)
             del X, out
             self._mark("apply")
+
+    def _ns_bucket(
+        self, X: torch.Tensor, norm: torch.Tensor, ns_key: tuple, scale: float
+    ) -> tuple[torch.Tensor, bool]:
+        """Batched NS of one bucket's stack ``X [B, r, c]`` (bf16) whose Frobenius norms are
+        ``norm [B]`` (fp32, overwritten): ``(O [B, r, c], folded)``, ``O`` times ``scale`` (the
+        ``-lr·lr_scale``) where ``folded``. On CUDA the GEMM epilogue is fp32, so folding the lr
+        into it costs no precision; the CPU bf16 GEMM rounds before its epilogue, so there the lr
+        is applied in fp32 by the caller."""
+        steps, schedule = ns_key
+        _, r, c = X.shape
+        inv = norm.mul_(schedule.norm_scale).add_(1e-7).reciprocal_()  # [B]
+        fold = X.is_cuda
+        coeffs = schedule.for_steps(steps)
+        if _use_gram(self.ns_method, self.backend, r, c):
+            self._mark("stack")  # the Frobenius scaling rides in the Gram (no pass over X)
+            out = _ns_gram(X, coeffs, scale if fold else 1.0, inv_norm=inv)
+        else:
+            X.mul_(inv.view(-1, 1, 1))
+            self._mark("stack")
+            out = _ns_stack(X, coeffs, self.backend, scale if fold else 1.0)  # [B, r, c]
+        self._mark("ns")
+        return out, fold
 
     def _orthogonalize(
         self, items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]
@@ -325,3 +329,15 @@ class Muon(Optimizer):
 
 def _ns_key(group: dict[str, Any]) -> tuple:
     return (int(group["ns_steps"]), resolve_schedule(group["ns_coefficients"]))
+
+
+def _buckets(local: list[tuple]) -> dict[tuple, list[int]]:
+    """Indices of ``local`` ((p, G, M, group) items) by ``(rows, cols, device, ns_key,
+    -lr·lr_scale, 1 - lr·wd)``: the matrices that share one stack and one NS call."""
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    for i, (p, g, _, grp) in enumerate(local):
+        r, c = g.size(0), g[0].numel()
+        scale = -grp["lr"] * lr_scale(grp["adjust_lr"], p.shape)
+        decay = 1.0 - grp["lr"] * grp["weight_decay"]
+        buckets[(r, c, g.device, _ns_key(grp), scale, decay)].append(i)
+    return buckets
