@@ -27,7 +27,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW (no decay on norms/biases) or Muon over the trainable parameters of `model`; with
     `master` (`lmms_parallel.MasterWeights`) over their fp32 masters, written back into the
-    model after every step."""
+    model after every step (inside the step with `fused_master_step` / `muon_fused_step`:
+    `lmms_optim.MasterAdamW` / `MasterMuon`)."""
     optimizer = _build(model, spec, t, master)
     if master is not None:
         master.attach(optimizer)
@@ -96,7 +97,13 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
                 "weight_decay": 0.0,
             }
         )
-    return Muon(
+    if master is not None and t.muon_fused_step:
+        from lmms_optim import MasterMuon
+
+        cls: type[Muon] = MasterMuon
+    else:
+        cls = Muon
+    return cls(
         groups,
         lr=t.muon_learning_rate or t.learning_rate,
         momentum=t.muon_momentum,

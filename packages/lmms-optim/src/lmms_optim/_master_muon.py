@@ -14,10 +14,11 @@ bf16 gradient in MasterWeights' hook). :class:`MasterMuon` makes two per matrix
 - after NS (unchanged: the batched ``_ns_gram`` / ``_ns_stack`` of :class:`Muon`, lr folded as
   there), one kernel applies ``W = decay·W + O`` to the fp32 master and writes its bf16 mirror.
 
-Bytes per Muon parameter (fp32 master, bf16 gradient from the source): 2 + 4 + 4 + 2 before NS,
-2 (read O) + 4 + 4 + 2 after it: 24 B, against 8 + 8 (fp32 grad cast; clip) + 12 (lerp) + 10
-(nesterov) + 2 (norm) + 10 (apply) + 6 (copy) = 56 B on the three-pass step: ~32 B less per
-parameter, ~120 GB less for 3.75 B Muon parameters (~40 ms at ~3 TB/s, not measured yet).
+Bytes per Muon parameter (fp32 master, bf16 gradient from the source): 2 (clip norm), then
+2 + 4 + 4 + 2 before NS and 2 (read O) + 4 + 4 + 2 after it: 26 B, against 6 (fp32 grad cast) +
+4 + 8 (clip norm and multiply) + 12 (lerp) + 10 (nesterov) + 2 (norm) + 10 (apply) + 6 (copy) =
+58 B on the three-pass step: 32 B less per parameter, ~120 GB for 3.75 B Muon parameters (~40 ms
+at ~3 TB/s; an estimate, not measured yet).
 
 The AdamW side takes :class:`MasterAdamW`'s path (:class:`MasterStep`). State, parameter groups
 and checkpoints are :class:`Muon`'s (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``),

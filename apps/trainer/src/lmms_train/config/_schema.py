@@ -208,6 +208,15 @@ class TrainerArgs:
         "bit-identical to `false` (torch's AdamW). H200: -18 ms per 3B text step, -22 ms per "
         "VL 16k step (benchmarks/RESULTS.md).",
     )
+    muon_fused_step: bool = _f(
+        False,
+        "`optimizer: muon` on one process with fp32 masters: `lmms_optim.MasterMuon` instead of "
+        "`Muon` + clip + copy: per Muon matrix one Triton kernel for clip, momentum, the bf16 NS "
+        "input and its norm, one for the update and the bf16 write-back (the AdamW side as "
+        "`fused_master_step`), reading a single micro-batch's gradients in bf16. Same optimizer "
+        "state and checkpoints; on CPU bit-identical to `false`. Off by default: not measured on "
+        "a GPU yet (estimated ~32 bytes less memory traffic per Muon parameter).",
+    )
     # schedule
     lr_scheduler_type: _Schedule = _f(
         "cosine", "`constant`, `linear` (to min), `cosine` (to min) or `wsd` (warmup-stable-decay)."
