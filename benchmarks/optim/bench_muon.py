@@ -171,6 +171,19 @@ def reference_muon_step(mats, grads, bufs, lr, wd, mom=0.95):
         p.add_(o.view(p.shape), alpha=-lr * lo.lr_scale("rms", p.shape))
 
 
+def three_pass_step(opt, params, mirrors, scale):
+    """What a bf16 run with fp32 masters does around Muon: clip multiply, step, bf16 copy."""
+    torch._foreach_mul_([p.grad for p in params], scale)
+    opt.step()
+    torch._foreach_copy_([mirrors[id(p)] for p in params], params)
+
+
+def master_muon_step(opt, scale):
+    """The same with lmms_optim.MasterMuon: the scale and the copy inside its kernels."""
+    opt.clip_scale = scale
+    opt.step()
+
+
 def phase_breakdown(opt, iters: int) -> dict[str, float]:
     """Mean ms per phase of ``opt.step`` (CUDA events at ``Muon.phase_hook`` boundaries; summed
     over buckets for stack / ns / apply)."""
@@ -244,7 +257,16 @@ def bench_model(iters):
     t_ref_mats = cuda_time(ref_step, iters, warmup=1)
     t_adamw_rest = cuda_time(adamw.step, iters, warmup=1)
     peak = torch.cuda.max_memory_allocated() / 2**30 if fused else 0.0
+    # with bf16 model weights from fp32 masters: the three-pass step against MasterMuon
+    all_params = list(params.values())
+    mirrors = {id(p): torch.empty(p.shape, dtype=torch.bfloat16, device=DEVICE) for p in all_params}
+    one = torch.ones((), device=DEVICE)  # a clip scale of 1: the passes run, the values stay
+    t_three = cuda_time(functools.partial(three_pass_step, opt, all_params, mirrors, one), iters, 1)
     del opt, adamw, ref_mats, ref_bufs, ref_step  # free memory before the all-params AdamW baseline
+    master = lo.MasterMuon(groups, lr=lr, weight_decay=wd, adjust_lr="rms", adamw_weight_decay=wd)
+    master.set_mirrors(mirrors)
+    t_master = cuda_time(functools.partial(master_muon_step, master, one), iters, warmup=1)
+    del master, mirrors
     adamw_all = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=wd, fused=fused)
     t_adamw_all = cuda_time(adamw_all.step, iters, warmup=1)
     t_ref = t_ref_mats + t_adamw_rest
@@ -253,7 +275,7 @@ def bench_model(iters):
         ref_matrix_part_ms=t_ref_mats * 1e3, adamw_rest_ms=t_adamw_rest * 1e3,
         fused_adamw_all_ms=t_adamw_all * 1e3, speedup=t_ref / t_lmms, worst_rel_err=worst,
         peak_gib=peak, phases_ms=phases, standard_ms=t_std * 1e3,
-        phases_standard_ms=phases_std,
+        phases_standard_ms=phases_std, three_pass_ms=t_three * 1e3, master_muon_ms=t_master * 1e3,
     )  # fmt: skip
 
 
@@ -300,7 +322,9 @@ def main() -> int:
         [["per-matrix torch-reference Muon + fused AdamW (rest)", f"{m['ref_ms']:.1f}", "1.00x"],
          ["lmms_optim.Muon (default: ns_method=auto)", f"{m['lmms_ms']:.1f}", f"{m['speedup']:.2f}x"],
          ["lmms_optim.Muon (ns_method=standard)", f"{m['standard_ms']:.1f}", f"{m['ref_ms'] / m['standard_ms']:.2f}x"],
-         ["fused torch AdamW, all params", f"{m['fused_adamw_all_ms']:.1f}", f"{m['ref_ms'] / m['fused_adamw_all_ms']:.2f}x"]],
+         ["fused torch AdamW, all params", f"{m['fused_adamw_all_ms']:.1f}", f"{m['ref_ms'] / m['fused_adamw_all_ms']:.2f}x"],
+         ["bf16 weights: clip multiply + lmms_optim.Muon + copy (three passes)", f"{m['three_pass_ms']:.1f}", f"{m['ref_ms'] / m['three_pass_ms']:.2f}x"],
+         ["bf16 weights: lmms_optim.MasterMuon (clip and write-back fused)", f"{m['master_muon_ms']:.1f}", f"{m['ref_ms'] / m['master_muon_ms']:.2f}x"]],
     )  # fmt: skip
     ph, ph_std = m["phases_ms"], m["phases_standard_ms"]
     t_ph = harness.markdown_table(
