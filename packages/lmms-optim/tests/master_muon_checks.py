@@ -78,10 +78,8 @@ def check_kernels(device: str) -> list[str]:
             mirror = torch.empty_like(ref_m)
             apply_(w, o, mirror, decay=decay, scale=-0.03, folded=folded)
             apply_reference(ref_w, o, ref_m, decay=decay, scale=-0.03, folded=folded)
-            if exact or n == 9:
-                torch.testing.assert_close(w, ref_w, rtol=0, atol=0, equal_nan=True)
-            else:
-                torch.testing.assert_close(w, ref_w, rtol=2e-7, atol=1e-12)
+            tol = 0 if exact else 2e-7
+            torch.testing.assert_close(w, ref_w, rtol=tol, atol=tol * 1e-5, equal_nan=True)
             nan = w.isnan()  # NaN bit patterns differ between torch's CPU and CUDA casts
             assert torch.equal(mirror.isnan(), nan), (n, folded, decay)
             assert torch.equal(bits(mirror)[~nan], bits(w.bfloat16())[~nan]), (n, folded, decay)
@@ -168,7 +166,7 @@ def check_optimizer(device: str, shapes, steps: int, configs) -> list[str]:
                 else:
                     torch.testing.assert_close(m, mq, rtol=1e-6, atol=1e-12)
                 r = rel(p.detach() - p0, q.detach() - p0)
-                assert r < 0.03, (cfg, step, i, r)
+                assert r < (0.03 if device == "cpu" else 0.06), (cfg, step, i, r)
                 same += torch.equal(p, q)
                 total += 1
         if device == "cpu":  # see the module docstring: bitwise but where a norm ulp flips NS
@@ -200,9 +198,11 @@ def check_resume(device: str, shapes) -> list[str]:
         b.step()
         for i, (p, q) in enumerate(zip(ps, qs, strict=True)):
             if i < len(shapes):
+                tol = 0 if device == "cpu" else 1e-6
                 torch.testing.assert_close(
-                    b.state[q]["momentum_buffer"], a.state[p]["momentum_buffer"], rtol=0, atol=0
-                )
+                    b.state[q]["momentum_buffer"], a.state[p]["momentum_buffer"],
+                    rtol=tol, atol=tol * 1e-6,
+                )  # fmt: skip
                 assert rel(q.detach(), p.detach()) < 1e-3
             else:
                 assert float(b.state[q]["step"]) == float(a.state[p]["step"]) == 3.0
