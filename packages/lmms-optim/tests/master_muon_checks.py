@@ -1,6 +1,7 @@
 """MasterMuon's Triton path against the three-pass step (clip_grad_norm_, Muon.step, copy of the
 masters into bf16); run under TRITON_INTERPRET=1 on CPU (CI) or on a GPU:
-`python master_muon_checks.py cpu|cuda [big]`. Prints one line per check.
+`python master_muon_checks.py cpu|cuda [big]`. Prints one line per check. Also `dist_worker`,
+the FSDP2 check spawned by test_master_muon.py (importable by spawned children).
 
 What is exact and what is not: the momentum kernel and the apply kernel do torch's arithmetic
 operation for operation, so the momentum buffers, the bf16 NS stack and the applied masters equal
@@ -238,3 +239,52 @@ def main(device: str, big: bool) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], "big" in sys.argv[2:])
+
+
+def dist_worker(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP2 over ``world`` gloo ranks: MasterMuon (clip_norm_ on DTensor gradients, Muon's
+    gathered step for the sharded matrices) against clip_grad_norm_ + Muon; writes out{rank}.json
+    with the largest difference and the error set_mirrors raises."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    final, opts = {}, {}
+    for cls in (Muon, MasterMuon):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(12, 21), torch.nn.Tanh(), torch.nn.Linear(21, 5)
+        )
+        fully_shard(model, mesh=mesh)
+        opt = opts[cls] = cls(model.parameters(), lr=0.02, weight_decay=0.1, adjust_lr="rms")
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(16, 12, generator=g)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            if cls is MasterMuon:
+                opt.clip_norm_(0.05)
+            else:
+                torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.05)
+            opt.step()
+        final[cls] = [p.full_tensor() for p in model.parameters()]
+    diff = max((a - b).abs().max().item() for a, b in zip(*final.values(), strict=True))
+    master = opts[MasterMuon]
+    try:
+        master.set_mirrors(
+            {id(p): torch.empty(1) for g in master.param_groups for p in g["params"]}
+        )
+        mirror_err = ""
+    except NotImplementedError as e:
+        mirror_err = str(e)
+    with open(f"{out}/out{rank}.json", "w") as f:
+        json.dump({"diff": diff, "mirror_err": mirror_err}, f)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from master_muon_checks import feed
+from master_muon_checks import dist_worker, feed
 from optim_scripts import run_script
 
 import lmms_optim._master_muon as master_muon
@@ -127,6 +127,25 @@ def test_sharded_parameters_take_muons_step_and_refuse_mirrors(monkeypatch):
     ours.step()  # backend="triton", but the fused kernels would need whole matrices
     assert called == [ours]
     torch.testing.assert_close(a[0].grad, _grads(0)[0] * 0.5)
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_sharded_over_two_ranks(tmp_path):
+    """Real DTensors sharded over 2 gloo ranks: MasterMuon's clip_norm_ and step equal
+    clip_grad_norm_ + Muon's, and set_mirrors refuses them."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(dist_worker, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        r = json.loads((tmp_path / f"out{rank}.json").read_text())
+        assert r["diff"] == 0.0, r
+        assert "sharded over several ranks" in r["mirror_err"], r
 
 
 def test_triton_path_under_the_interpreter():
