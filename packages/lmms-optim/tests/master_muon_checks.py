@@ -180,15 +180,14 @@ def check_resume(device: str, shapes) -> list[str]:
     """A checkpoint of either optimizer resumes the other: same next step."""
     done = []
     for first, second in ((Muon, MasterMuon), (MasterMuon, Muon)):
-        # the Gram form is torch's on every backend: both run the same NS
-        ps, a = _make(device, shapes, "triton" if first is MasterMuon else "torch", first,
-                      ns_method="gram")  # fmt: skip
+        # both on backend="triton" (MasterMuon's fused kernels, and the Gram form's Triton
+        # products in both), so the two run the same NS
+        ps, a = _make(device, shapes, "triton", first, ns_method="gram")
         for step in range(2):
             for p, g in zip(ps, _grads(ps, step), strict=True):
                 p.grad = g
             a.step()
-        qs, b = _make(device, shapes, "triton" if second is MasterMuon else "torch", second, 1,
-                      ns_method="gram")  # fmt: skip
+        qs, b = _make(device, shapes, "triton", second, 1, ns_method="gram")
         with torch.no_grad():
             for p, q in zip(ps, qs, strict=True):
                 q.copy_(p)
@@ -212,8 +211,9 @@ def check_resume(device: str, shapes) -> list[str]:
     return done
 
 
-# The Gram form runs torch's bmm on every backend (fast under the interpreter); "standard NS"
-# takes Triton's NS kernels (backend="triton"), as a big square stack does on CUDA.
+# backend="triton" (the reference Muon too) also puts the Gram form's symmetric products on
+# Triton's kernels; "standard NS" takes Triton's standard iteration, as a big square stack does
+# on CUDA.
 CONFIGS = [
     dict(name="nesterov clip", nesterov=True, weight_decay=0.1, max_norm=[1.0, 1e9, 2.0],
          ns_method="gram"),

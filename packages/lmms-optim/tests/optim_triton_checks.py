@@ -53,6 +53,21 @@ def check_kernels(device: str, shapes, dtypes=(torch.bfloat16, torch.float32)) -
             plain = newton_schulz(H.to(device), method="gram", backend="torch")
             assert_ns_close(sym.cpu(), H)
             assert rel(sym, plain) < 5e-2, ("gram triton vs torch", H.shape, rel(sym, plain))
+        if i == 0:  # Muon's batched step with the Gram form's Triton kernels, vs cuBLAS/torch
+            from lmms_optim import Muon
+
+            ps = [torch.nn.Parameter(g.to(device)) for g in (G[0], G[0].mT.contiguous())]
+            twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+            opts = [Muon(q, lr=0.1, ns_method="gram", backend=b) for q, b in
+                    ((ps, "triton"), (twins, "torch"))]  # fmt: skip
+            for p, q in zip(ps, twins):
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.clone()
+            before = [p.detach().clone() for p in ps]
+            for o in opts:
+                o.step()
+            for p, q, p0 in zip(ps, twins, before):
+                assert rel(p.detach() - p0, q.detach() - p0) < 5e-2, "Muon gram triton vs torch"
         done.append(f"ns {nb}x{n}x{m}")
     return done
 

@@ -112,3 +112,12 @@ def test_standard_tall_stack_without_transpose():
     wide = _ns_torch(X.mT.contiguous(), JORDAN * 5)
     assert tall.shape == G.shape and rel(tall, wide.mT) < 0.02
     assert_ns_close(lo.newton_schulz(G, method="standard", backend="torch"), G)
+
+
+def test_gram_form_on_triton_needs_triton_where_it_runs(monkeypatch):
+    """Muon's Gram form with backend="triton" on a CPU tensor (no interpreter) says what to use."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    opt = lo.Muon([torch.nn.Parameter(torch.randn(4, 16))], ns_method="gram", backend="triton")
+    opt.param_groups[0]["params"][0].grad = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="backend='torch' or 'auto'"):
+        opt.step()

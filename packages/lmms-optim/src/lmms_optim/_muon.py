@@ -267,7 +267,8 @@ class Muon(Optimizer):
         coeffs = schedule.for_steps(steps)
         if _use_gram(self.ns_method, self.backend, r, c):
             self._mark("stack")  # the Frobenius scaling rides in the Gram (no pass over X)
-            out = _ns_gram(X, coeffs, scale if fold else 1.0, inv_norm=inv)
+            symmetric = self.backend == "triton"  # Triton's upper-triangle Gram kernels
+            out = _ns_gram(X, coeffs, scale if fold else 1.0, inv_norm=inv, symmetric=symmetric)
         else:
             X.mul_(inv.view(-1, 1, 1))
             self._mark("stack")

@@ -170,6 +170,11 @@ def _ns_gram(
     """
     tall = X.size(-2) > X.size(-1)
     if symmetric:
+        if not _triton_usable(X):
+            raise RuntimeError(
+                "the Gram form's Triton kernels need triton and a CUDA tensor (or "
+                "TRITON_INTERPRET=1 for CPU tests); use backend='torch' or 'auto' here"
+            )
         from ._triton_ns import gram as sym_gram
 
     def gram(Y: torch.Tensor) -> torch.Tensor:  # [B, m, m]
