@@ -155,6 +155,11 @@ for s in $STAGES; do
       stage train_mfused 430 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 210 --profile-steps 25 25 --muon-fused-step \
       --tag=-mfused --cases ${MFUSED_CASES:-vl3b_16k_muon vl3b_32k_muon} ;;
+    # MasterMuon with the Gram form's symmetric products on Triton (LMMS_OPTIM_GRAM_TRITON=1),
+    # after muonfused in the same machine session; bench_muon (stage muon) times both per shape
+    muongtri) LMMS_OPTIM_GRAM_TRITON=1 stage train_gtri 430 python3 benchmarks/train/bench_train.py \
+      --compile --steps 21 --warmup 4 --records 1500 --case-timeout 210 --muon-fused-step \
+      --tag=-gtri --cases ${MFUSED_CASES:-vl3b_16k_muon vl3b_32k_muon} ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -127,21 +127,25 @@ def bench_one(m: int, n: int, iters: int) -> dict:
     if DEVICE == "cuda":  # the Triton-only variants need the GPU
         fns["tri"] = lambda: ns_triton(X3.clone(), JORDAN5, step="triton")
         fns["bad"] = lambda: ns_triton(X3.clone(), JORDAN5, step="baddbmm")
+        # the Gram form with its symmetric products on Triton's upper-triangle kernel
+        fns["gtri"] = lambda: lo.newton_schulz(G, method="gram", backend="triton")
     # a few calls per batch are enough once one call is tens of ms (8192x28672)
     t = cuda_time_interleaved(fns, iters, inner=8 if m * n <= 1 << 26 else 2)
     t_ref, t_lmms, t_std, t_gram, t_torch = (t[k] for k in ("ref", "lmms", "std", "gram", "torch"))
     t_tri, t_bad = t.get("tri", float("nan")), t.get("bad", float("nan"))
+    t_gtri = t.get("gtri", float("nan"))
     ref = lo.newton_schulz_reference(G)
     err = rel(lo.newton_schulz(G), ref)
     err_gram = rel(lo.newton_schulz(G, method="gram"), ref)
+    err_gtri = rel(fns["gtri"](), ref) if "gtri" in fns else float("nan")
     f_std, f_gram = flops(m, n, "standard"), flops(m, n, "gram")
     return dict(shape=f"{m}x{n}", ref_ms=t_ref * 1e3, lmms_ms=t_lmms * 1e3,
-                standard_ms=t_std * 1e3, gram_ms=t_gram * 1e3,
+                standard_ms=t_std * 1e3, gram_ms=t_gram * 1e3, gram_triton_ms=t_gtri * 1e3,
                 triton_step_ms=t_tri * 1e3, baddbmm_step_ms=t_bad * 1e3,
                 torch_backend_ms=t_torch * 1e3, speedup=t_ref / t_lmms,
                 gram_speedup=t_ref / t_gram, flop_ratio=f_std / f_gram,
                 ref_tflops=f_std / t_ref / 1e12, gram_tflops=f_gram / t_gram / 1e12,
-                rel_err=err, gram_rel_err=err_gram)  # fmt: skip
+                rel_err=err, gram_rel_err=err_gram, gram_triton_rel_err=err_gtri)  # fmt: skip
 
 
 def bench_shapes(shapes, iters):
@@ -152,12 +156,13 @@ def bench_shapes(shapes, iters):
             torch.cuda.empty_cache()
         out.append(r)
         rows.append([r["shape"], f"{r['ref_ms']:.2f}", f"{r['lmms_ms']:.2f}",
-                     f"{r['standard_ms']:.2f}", f"{r['gram_ms']:.2f}",
+                     f"{r['standard_ms']:.2f}", f"{r['gram_ms']:.2f}", f"{r['gram_triton_ms']:.2f}",
                      f"{r['triton_step_ms']:.2f}", f"{r['baddbmm_step_ms']:.2f}",
                      f"{r['torch_backend_ms']:.2f}", f"{r['speedup']:.2f}x",
                      f"{r['gram_speedup']:.2f}x", f"{r['flop_ratio']:.2f}",
                      f"{r['ref_tflops']:.0f}", f"{r['gram_tflops']:.0f}",
-                     f"{r['rel_err']:.3f}", f"{r['gram_rel_err']:.3f}"])  # fmt: skip
+                     f"{r['rel_err']:.3f}", f"{r['gram_rel_err']:.3f}",
+                     f"{r['gram_triton_rel_err']:.3f}"])  # fmt: skip
     return rows, out
 
 
@@ -253,6 +258,11 @@ def bench_model(iters):
     t_std = cuda_time(opt.step, iters, warmup=1)
     phases_std = phase_breakdown(opt, iters)
     opt.ns_method = "auto"
+    # the default with the Gram form's symmetric products on Triton (not yet the default)
+    os.environ["LMMS_OPTIM_GRAM_TRITON"] = "1"
+    t_gtri = cuda_time(opt.step, iters, warmup=1)
+    phases_gtri = phase_breakdown(opt, iters)
+    del os.environ["LMMS_OPTIM_GRAM_TRITON"]
     ref_step = functools.partial(reference_muon_step, ref_mats, ref_grads, ref_bufs, lr, wd)
     t_ref_mats = cuda_time(ref_step, iters, warmup=1)
     t_adamw_rest = cuda_time(adamw.step, iters, warmup=1)
@@ -275,7 +285,8 @@ def bench_model(iters):
         ref_matrix_part_ms=t_ref_mats * 1e3, adamw_rest_ms=t_adamw_rest * 1e3,
         fused_adamw_all_ms=t_adamw_all * 1e3, speedup=t_ref / t_lmms, worst_rel_err=worst,
         peak_gib=peak, phases_ms=phases, standard_ms=t_std * 1e3,
-        phases_standard_ms=phases_std, three_pass_ms=t_three * 1e3, master_muon_ms=t_master * 1e3,
+        phases_standard_ms=phases_std, gram_triton_ms=t_gtri * 1e3,
+        phases_gram_triton_ms=phases_gtri, three_pass_ms=t_three * 1e3, master_muon_ms=t_master * 1e3,
     )  # fmt: skip
 
 
@@ -312,25 +323,26 @@ def main() -> int:
     )
 
     t1 = harness.markdown_table(
-        ["shape", "torch ref NS5 ms", "lmms (auto) ms", "standard ms", "gram ms",
+        ["shape", "torch ref NS5 ms", "lmms (auto) ms", "standard ms", "gram ms", "gram triton ms",
          "triton step ms", "cuBLAS step ms", "torch backend ms", "speedup (auto)",
          "speedup (gram)", "FLOPs std/gram", "ref TFLOP/s", "gram TFLOP/s", "rel err",
-         "gram rel err"], rows)  # fmt: skip
+         "gram rel err", "gram triton rel err"], rows)  # fmt: skip
     m = model
     t2 = harness.markdown_table(
         ["step (Qwen2.5-VL-3B shapes)", "ms", "vs reference"],
         [["per-matrix torch-reference Muon + fused AdamW (rest)", f"{m['ref_ms']:.1f}", "1.00x"],
          ["lmms_optim.Muon (default: ns_method=auto)", f"{m['lmms_ms']:.1f}", f"{m['speedup']:.2f}x"],
          ["lmms_optim.Muon (ns_method=standard)", f"{m['standard_ms']:.1f}", f"{m['ref_ms'] / m['standard_ms']:.2f}x"],
+         ["lmms_optim.Muon (auto, LMMS_OPTIM_GRAM_TRITON=1: Gram form on Triton)", f"{m['gram_triton_ms']:.1f}", f"{m['ref_ms'] / m['gram_triton_ms']:.2f}x"],
          ["fused torch AdamW, all params", f"{m['fused_adamw_all_ms']:.1f}", f"{m['ref_ms'] / m['fused_adamw_all_ms']:.2f}x"],
          ["bf16 weights: clip multiply + lmms_optim.Muon + copy (three passes)", f"{m['three_pass_ms']:.1f}", f"{m['ref_ms'] / m['three_pass_ms']:.2f}x"],
          ["bf16 weights: lmms_optim.MasterMuon (clip and write-back fused)", f"{m['master_muon_ms']:.1f}", f"{m['ref_ms'] / m['master_muon_ms']:.2f}x"]],
     )  # fmt: skip
-    ph, ph_std = m["phases_ms"], m["phases_standard_ms"]
+    ph, ph_std, ph_gt = m["phases_ms"], m["phases_standard_ms"], m["phases_gram_triton_ms"]
     t_ph = harness.markdown_table(
-        ["lmms_optim.Muon phase", "ms (auto)", "share", "ms (standard)"],
-        [[k, f"{v:.1f}", f"{v / max(sum(ph.values()), 1e-9):.0%}", f"{ph_std.get(k, 0.0):.1f}"]
-         for k, v in ph.items()],
+        ["lmms_optim.Muon phase", "ms (auto)", "share", "ms (standard)", "ms (Gram on Triton)"],
+        [[k, f"{v:.1f}", f"{v / max(sum(ph.values()), 1e-9):.0%}", f"{ph_std.get(k, 0.0):.1f}",
+          f"{ph_gt.get(k, 0.0):.1f}"] for k, v in ph.items()],
     )  # fmt: skip
     t3 = harness.markdown_table(
         ["target", "verdict"], [[v, "PASS" if ok else "FAIL"] for v, ok in verdicts]

@@ -121,3 +121,17 @@ def test_gram_form_on_triton_needs_triton_where_it_runs(monkeypatch):
     opt.param_groups[0]["params"][0].grad = torch.randn(4, 16)
     with pytest.raises(RuntimeError, match="backend='torch' or 'auto'"):
         opt.step()
+
+
+def test_gram_form_takes_triton_only_where_asked(monkeypatch):
+    """backend="triton" always; "auto" only with LMMS_OPTIM_GRAM_TRITON=1 and on CUDA (the
+    switch the benchmarks flip until the kernels are measured against cuBLAS)."""
+    from lmms_optim._ns import _gram_symmetric
+
+    X = torch.zeros(2, 8, 32, dtype=torch.bfloat16)
+    monkeypatch.delenv("LMMS_OPTIM_GRAM_TRITON", raising=False)
+    assert _gram_symmetric("triton", X) and not _gram_symmetric("auto", X)
+    assert not _gram_symmetric("torch", X)
+    monkeypatch.setenv("LMMS_OPTIM_GRAM_TRITON", "1")
+    assert not _gram_symmetric("auto", X)  # a CPU tensor: cuBLAS's (torch's) Gram form
+    assert not _gram_symmetric("torch", X)

@@ -15,6 +15,7 @@ from ._ns import (
     Coefficients,
     Method,
     NSSchedule,
+    _gram_symmetric,
     _ns_gram,
     _ns_stack,
     _use_gram,
@@ -267,7 +268,7 @@ class Muon(Optimizer):
         coeffs = schedule.for_steps(steps)
         if _use_gram(self.ns_method, self.backend, r, c):
             self._mark("stack")  # the Frobenius scaling rides in the Gram (no pass over X)
-            symmetric = self.backend == "triton"  # Triton's upper-triangle Gram kernels
+            symmetric = _gram_symmetric(self.backend, X)  # Triton's upper-triangle kernels
             out = _ns_gram(X, coeffs, scale if fold else 1.0, inv_norm=inv, symmetric=symmetric)
         else:
             X.mul_(inv.view(-1, 1, 1))

@@ -240,6 +240,20 @@ def _use_gram(method: Method, backend: Backend, rows: int, cols: int) -> bool:
 _TRITON_MIN_WORK = 1 << 34
 
 
+def _gram_symmetric(backend: Backend, X: torch.Tensor) -> bool:
+    """Whether the Gram form runs its symmetric products on Triton's upper-triangle kernel:
+    always with ``backend="triton"``; with ``"auto"`` only where ``LMMS_OPTIM_GRAM_TRITON=1``
+    (not yet measured against cuBLAS on a GPU: the benchmarks set it), on CUDA, for stacks with
+    enough work (``_TRITON_MIN_WORK``)."""
+    if backend == "triton":
+        return True
+    if backend != "auto" or os.environ.get("LMMS_OPTIM_GRAM_TRITON") != "1" or not X.is_cuda:
+        return False
+    nb, r, c = X.shape
+    m, n = min(r, c), max(r, c)
+    return nb * m * m * n >= _TRITON_MIN_WORK and _triton_usable(X)
+
+
 def _ns_stack(
     X: torch.Tensor, coeffs: Sequence[Coefficients], backend: Backend, scale: float = 1.0
 ) -> torch.Tensor:
@@ -310,7 +324,7 @@ def newton_schulz(
         )
     X, inv = _prepare_stack(G, schedule.norm_scale, eps)
     if _use_gram(method, backend, G.size(-2), G.size(-1)):
-        out = _ns_gram(X, coeffs, inv_norm=inv, symmetric=backend == "triton")
+        out = _ns_gram(X, coeffs, inv_norm=inv, symmetric=_gram_symmetric(backend, X))
     else:
         out = _ns_stack(X.mul_(inv.view(-1, 1, 1)), coeffs, backend)
     return out.reshape(G.shape)
