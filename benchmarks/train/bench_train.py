@@ -272,6 +272,8 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         else args.fused_master_step,
         "muon_fused_step": args.muon_fused_step,
         "ga": args.ga,
+        # the trainer's own account of each stalled step (its likely cause; FA4's new key)
+        "slow_step_lines": [ln for ln in stderr.splitlines() if "[lmms-train] slow step" in ln],
     }
     syncs = work / "runs" / name / "profile" / "syncs_rank0.json"
     if args.profile_steps and syncs.exists():  # where the host waited for the device
