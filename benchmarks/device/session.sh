@@ -160,6 +160,17 @@ for s in $STAGES; do
     muongtri) LMMS_OPTIM_GRAM_TRITON=1 stage train_gtri 430 python3 benchmarks/train/bench_train.py \
       --compile --steps 21 --warmup 4 --records 1500 --case-timeout 210 --muon-fused-step \
       --tag=-gtri --cases ${MFUSED_CASES:-vl3b_16k_muon vl3b_32k_muon} ;;
+    # issue 8's Muon target with MasterMuon (NOTES 32/34) in one machine session: its GPU tests,
+    # then Muon (fused) and AdamW at 16k (the first case carries the cold compile: 280 s), then
+    # (stage muon32) both at 32k; rows are compared on their median steps
+    muon16) stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-optim/tests/test_master_muon.py
+      stage train_mf16 420 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 280 --profile-steps 25 25 --muon-fused-step \
+      --tag=-mf16 --cases vl3b_16k_muon vl3b_16k ;;
+    muon32) stage train_mf32 420 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 210 --profile-steps 25 25 --muon-fused-step \
+      --tag=-mf32 --cases vl3b_32k vl3b_32k_muon ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -58,8 +58,9 @@ def check_kernels(device: str) -> list[str]:
                     sumsq = momentum_stack_reference(grad, ref_buf, ref_x, s, **kw)
                     if exact:
                         assert torch.equal(buf, ref_buf) and torch.equal(x, ref_x), (n, scale)
-                    else:
-                        torch.testing.assert_close(buf, ref_buf, rtol=2e-7, atol=1e-12)
+                    else:  # an fp32 ulp of the lerp's operands (|g - buf| <= ~8): where the
+                        # result cancels to ~1e-3, one ulp of 8 is 2e-6 of it (H200, 2026-12-04)
+                        torch.testing.assert_close(buf, ref_buf, rtol=2e-7, atol=1e-6)
                         torch.testing.assert_close(x, ref_x, rtol=2**-8, atol=0)
                     torch.testing.assert_close(partials.sum(), sumsq, rtol=1e-5, atol=0)
         done.append(f"momentum kernel n={n}")
