@@ -148,29 +148,24 @@ for s in $STAGES; do
     muonga) stage train 300 python3 benchmarks/train/bench_train.py --compile --steps 10 \
       --warmup 3 --records 1500 --case-timeout 145 --ga 4 --ac-fraction 0.75 --tag=-ga4 \
       --cases vl3b_16k vl3b_16k_muon ;;
-    # lmms_optim.MasterMuon (NOTES item 32): its GPU tests, then Muon at 16k and 32k with it; the
-    # baselines are vl8master's vl3b_16k, vl3b_16k_muon, vl3b_32k, vl3b_32k_muon, same machine
-    muonfused) stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
-      packages/lmms-optim/tests/test_master_muon.py
-      stage train_mfused 430 python3 benchmarks/train/bench_train.py --compile --steps 21 \
-      --warmup 4 --records 1500 --case-timeout 210 --profile-steps 25 25 --muon-fused-step \
-      --tag=-mfused --cases ${MFUSED_CASES:-vl3b_16k_muon vl3b_32k_muon} ;;
-    # MasterMuon with the Gram form's symmetric products on Triton (LMMS_OPTIM_GRAM_TRITON=1),
-    # after muonfused in the same machine session; bench_muon (stage muon) times both per shape
-    muongtri) LMMS_OPTIM_GRAM_TRITON=1 stage train_gtri 430 python3 benchmarks/train/bench_train.py \
-      --compile --steps 21 --warmup 4 --records 1500 --case-timeout 210 --muon-fused-step \
-      --tag=-gtri --cases ${MFUSED_CASES:-vl3b_16k_muon vl3b_32k_muon} ;;
-    # issue 8's Muon target with MasterMuon (NOTES 32/34) in one machine session: its GPU tests,
-    # then Muon (fused) and AdamW at 16k (the first case carries the cold compile: 280 s), then
-    # (stage muon32) both at 32k; rows are compared on their median steps
+    # Muon's former defaults against today's (NOTES items 32-34), each after the muon16/muon32
+    # rows in the same machine session: the three-pass step (Muon + clip multiply + copy) ...
+    muonthree) stage train_mthree 430 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 210 --no-muon-fused-step \
+      --tag=-mthree --cases ${MUON_CASES:-vl3b_16k_muon vl3b_32k_muon} ;;
+    # ... and the Gram form's products all on cuBLAS (LMMS_OPTIM_GRAM_TRITON=0)
+    muongcub) LMMS_OPTIM_GRAM_TRITON=0 stage train_gcub 430 python3 benchmarks/train/bench_train.py \
+      --compile --steps 21 --warmup 4 --records 1500 --case-timeout 210 \
+      --tag=-gcub --cases ${MUON_CASES:-vl3b_16k_muon vl3b_32k_muon} ;;
+    # issue 8's Muon target in one machine session: MasterMuon's GPU tests, then Muon and AdamW
+    # at 16k (stage muon16), then both at 32k (muon32); compare median steps. The first case
+    # carries the cold compile and, on 2026-12-04, took over 280 s with its profiled step 25
     muon16) stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/lmms-optim/tests/test_master_muon.py
-      stage train_mf16 420 python3 benchmarks/train/bench_train.py --compile --steps 21 \
-      --warmup 4 --records 1500 --case-timeout 280 --profile-steps 25 25 --muon-fused-step \
-      --tag=-mf16 --cases vl3b_16k_muon vl3b_16k ;;
-    muon32) stage train_mf32 420 python3 benchmarks/train/bench_train.py --compile --steps 21 \
-      --warmup 4 --records 1500 --case-timeout 210 --profile-steps 25 25 --muon-fused-step \
-      --tag=-mf32 --cases vl3b_32k vl3b_32k_muon ;;
+      stage train_mf16 450 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 330 --tag=-mf16 --cases vl3b_16k_muon vl3b_16k ;;
+    muon32) stage train_mf32 450 python3 benchmarks/train/bench_train.py --compile --steps 21 \
+      --warmup 4 --records 1500 --case-timeout 275 --tag=-mf32 --cases vl3b_32k_muon vl3b_32k ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -129,7 +129,11 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
                 if args.fused_master_step is None
                 else {"fused_master_step": args.fused_master_step}
             ),
-            **({"muon_fused_step": True} if args.muon_fused_step else {}),
+            **(
+                {}
+                if args.muon_fused_step is None
+                else {"muon_fused_step": args.muon_fused_step}
+            ),
             **ac_layout(case, args),
             "reshard_after_forward": not args.keep,
             "fsdp": True if args.fsdp else None,  # None: FSDP2 only on several processes
@@ -270,7 +274,7 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         "fused_master_step": "default"
         if args.fused_master_step is None
         else args.fused_master_step,
-        "muon_fused_step": args.muon_fused_step,
+        "muon_fused_step": "default" if args.muon_fused_step is None else args.muon_fused_step,
         "ga": args.ga,
         # the trainer's own account of each stalled step (its likely cause; FA4's new key)
         "slow_step_lines": [ln for ln in stderr.splitlines() if "[lmms-train] slow step" in ln],
@@ -495,9 +499,11 @@ def main() -> None:
     )
     p.add_argument(
         "--muon-fused-step",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="trainer_args.muon_fused_step (lmms_optim.MasterMuon: Muon's memory-bound passes "
-        "fused, bf16 gradients read as they are); Muon cases only",
+        "fused, bf16 gradients read as they are); default: the trainer's (on); "
+        "--no-muon-fused-step for Muon + clip + copy",
     )
     p.add_argument(
         "--linear-patch-embed",

@@ -123,15 +123,30 @@ def test_gram_form_on_triton_needs_triton_where_it_runs(monkeypatch):
         opt.step()
 
 
-def test_gram_form_takes_triton_only_where_asked(monkeypatch):
-    """backend="triton" always; "auto" only with LMMS_OPTIM_GRAM_TRITON=1 and on CUDA (the
-    switch the benchmarks flip until the kernels are measured against cuBLAS)."""
-    from lmms_optim._ns import _gram_symmetric
+def test_gram_form_takes_triton_where_it_was_measured_faster(monkeypatch):
+    """backend="triton" always; "auto" on CUDA for stacks of enough work unless
+    LMMS_OPTIM_GRAM_TRITON=0; never on CPU tensors or with backend="torch"."""
+    from lmms_optim import _ns
+    from lmms_optim._ns import _GRAM_TRITON_MIN_WORK, _gram_symmetric
 
     X = torch.zeros(2, 8, 32, dtype=torch.bfloat16)
     monkeypatch.delenv("LMMS_OPTIM_GRAM_TRITON", raising=False)
-    assert _gram_symmetric("triton", X) and not _gram_symmetric("auto", X)
-    assert not _gram_symmetric("torch", X)
-    monkeypatch.setenv("LMMS_OPTIM_GRAM_TRITON", "1")
+    assert _gram_symmetric("triton", X) and not _gram_symmetric("torch", X)
     assert not _gram_symmetric("auto", X)  # a CPU tensor: cuBLAS's (torch's) Gram form
-    assert not _gram_symmetric("torch", X)
+
+    class OnCuda:  # only the shape and device are read before the work threshold
+        is_cuda = True
+
+        def __init__(self, *shape: int) -> None:
+            self.shape = shape
+
+    monkeypatch.setattr(_ns, "_triton_usable", lambda X: True)
+    # the measured boundary: one 2048x11008 stays on cuBLAS, one 4096x14336 and the model's
+    # 36-matrix stacks of 2048x11008 take Triton
+    assert 2048 * 2048 * 11008 < _GRAM_TRITON_MIN_WORK <= 4096 * 4096 * 14336
+    assert not _gram_symmetric("auto", OnCuda(1, 2048, 11008))
+    assert _gram_symmetric("auto", OnCuda(1, 14336, 4096))  # tall: m = min, n = max
+    assert _gram_symmetric("auto", OnCuda(36, 2048, 11008))
+    monkeypatch.setenv("LMMS_OPTIM_GRAM_TRITON", "0")
+    assert not _gram_symmetric("auto", OnCuda(36, 2048, 11008))
+    assert _gram_symmetric("triton", OnCuda(1, 8, 32))

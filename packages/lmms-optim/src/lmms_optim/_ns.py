@@ -238,20 +238,24 @@ def _use_gram(method: Method, backend: Backend, rows: int, cols: int) -> bool:
 # Below this much work per Gram (B·m²·n) the Triton kernels lose to cuBLAS: too few tiles to
 # fill the GPU and the autotuned launch costs more host time than the GPU work.
 _TRITON_MIN_WORK = 1 << 34
+# The Gram form's symmetric products pay on Triton from this much work per stack. H200,
+# 2026-12-04 (benchmarks/RESULTS.md, bench_muon): one 2048x11008 matrix (B·m²·n = 4.6e10) 1.41 ms
+# on Triton vs 1.16 on cuBLAS, one 4096x14336 (2.4e11) 5.62 vs 6.66, one 8192x28672 42.1 vs
+# 50.3; the Qwen2.5-VL-3B step (every Gram-form stack >= 1.8e11) 205.5 vs 229.6 ms.
+_GRAM_TRITON_MIN_WORK = 1 << 37
 
 
 def _gram_symmetric(backend: Backend, X: torch.Tensor) -> bool:
     """Whether the Gram form runs its symmetric products on Triton's upper-triangle kernel:
-    always with ``backend="triton"``; with ``"auto"`` only where ``LMMS_OPTIM_GRAM_TRITON=1``
-    (not yet measured against cuBLAS on a GPU: the benchmarks set it), on CUDA, for stacks with
-    enough work (``_TRITON_MIN_WORK``)."""
+    always with ``backend="triton"``; with ``"auto"`` on CUDA for stacks with enough work
+    (``_GRAM_TRITON_MIN_WORK``) unless ``LMMS_OPTIM_GRAM_TRITON=0`` (cuBLAS for every product)."""
     if backend == "triton":
         return True
-    if backend != "auto" or os.environ.get("LMMS_OPTIM_GRAM_TRITON") != "1" or not X.is_cuda:
+    if backend != "auto" or os.environ.get("LMMS_OPTIM_GRAM_TRITON") == "0" or not X.is_cuda:
         return False
     nb, r, c = X.shape
     m, n = min(r, c), max(r, c)
-    return nb * m * m * n >= _TRITON_MIN_WORK and _triton_usable(X)
+    return nb * m * m * n >= _GRAM_TRITON_MIN_WORK and _triton_usable(X)
 
 
 def _ns_stack(
