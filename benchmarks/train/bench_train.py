@@ -129,11 +129,7 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
                 if args.fused_master_step is None
                 else {"fused_master_step": args.fused_master_step}
             ),
-            **(
-                {}
-                if args.muon_fused_step is None
-                else {"muon_fused_step": args.muon_fused_step}
-            ),
+            **({} if args.muon_fused_step is None else {"muon_fused_step": args.muon_fused_step}),
             **ac_layout(case, args),
             "reshard_after_forward": not args.keep,
             "fsdp": True if args.fsdp else None,  # None: FSDP2 only on several processes
