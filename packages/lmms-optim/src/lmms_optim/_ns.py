@@ -241,7 +241,9 @@ _TRITON_MIN_WORK = 1 << 34
 # The Gram form's symmetric products pay on Triton from this much work per stack. H200,
 # 2026-12-04 (benchmarks/RESULTS.md, bench_muon): one 2048x11008 matrix (B·m²·n = 4.6e10) 1.41 ms
 # on Triton vs 1.16 on cuBLAS, one 4096x14336 (2.4e11) 5.62 vs 6.66, one 8192x28672 42.1 vs
-# 50.3; the Qwen2.5-VL-3B step (every Gram-form stack >= 1.8e11) 205.5 vs 229.6 ms.
+# 50.3; the Qwen2.5-VL-3B step 205.5 vs 229.6 ms (measured at a 2^34 threshold: its Gram-form
+# stacks are >= 1.8e11 but for the k/v stack, 9.7e9, and the merger's one 2048x5120, 2.1e10,
+# which this threshold keeps on cuBLAS).
 _GRAM_TRITON_MIN_WORK = 1 << 37
 
 
