@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import sys
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -259,14 +260,9 @@ def bench_model(iters):
     phases_std = phase_breakdown(opt, iters)
     opt.ns_method = "auto"
     # the Gram form's products all on cuBLAS (the default before 2026-12-04), for comparison
-    saved = os.environ.get("LMMS_OPTIM_GRAM_TRITON")
-    os.environ["LMMS_OPTIM_GRAM_TRITON"] = "0"
-    t_gcub = cuda_time(opt.step, iters, warmup=1)
-    phases_gcub = phase_breakdown(opt, iters)
-    if saved is None:
-        del os.environ["LMMS_OPTIM_GRAM_TRITON"]
-    else:
-        os.environ["LMMS_OPTIM_GRAM_TRITON"] = saved
+    with unittest.mock.patch.dict(os.environ, {"LMMS_OPTIM_GRAM_TRITON": "0"}):
+        t_gcub = cuda_time(opt.step, iters, warmup=1)
+        phases_gcub = phase_breakdown(opt, iters)
     ref_step = functools.partial(reference_muon_step, ref_mats, ref_grads, ref_bufs, lr, wd)
     t_ref_mats = cuda_time(ref_step, iters, warmup=1)
     t_adamw_rest = cuda_time(adamw.step, iters, warmup=1)
