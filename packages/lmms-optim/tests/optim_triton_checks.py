@@ -51,8 +51,11 @@ def check_kernels(device: str, shapes, dtypes=(torch.bfloat16, torch.float32)) -
         for H in (G, G.mT):  # the Gram form with its symmetric products in Triton, both ways
             sym = newton_schulz(H.to(device), method="gram", backend="triton")
             plain = newton_schulz(H.to(device), method="gram", backend="torch")
-            assert_ns_close(sym.cpu(), H)
-            assert rel(sym, plain) < 5e-2, ("gram triton vs torch", H.shape, rel(sym, plain))
+            # Looser than the default bounds: over 40 random 5x40 stacks on the interpreter the
+            # Gram form's bf16 rounding reached 6.5% from the published iteration and 1.25x its
+            # distance from the exact one; the CPU's bf16 matmul changes the rounding again.
+            assert_ns_close(sym.cpu(), H, near=0.1, factor=1.5)
+            assert rel(sym, plain) < 0.1, ("gram triton vs torch", H.shape, rel(sym, plain))
         if i == 0:  # Muon's batched step with the Gram form's Triton kernels, vs cuBLAS/torch
             from lmms_optim import Muon
 
@@ -61,13 +64,17 @@ def check_kernels(device: str, shapes, dtypes=(torch.bfloat16, torch.float32)) -
             opts = [Muon(q, lr=0.1, ns_method="gram", backend=b) for q, b in
                     ((ps, "triton"), (twins, "torch"))]  # fmt: skip
             for p, q in zip(ps, twins):
-                p.grad = torch.randn_like(p)
+                p.grad = torch.randn(p.shape, generator=g).to(device)
                 q.grad = p.grad.clone()
             before = [p.detach().clone() for p in ps]
             for o in opts:
                 o.step()
+            # Both run NS in bf16 with different rounding orders; on these tiny matrices their
+            # updates differ by 1.6-5.6% (120 random gradients, interpreter); a wrong kernel or
+            # a lost transpose differs by O(1).
             for p, q, p0 in zip(ps, twins, before):
-                assert rel(p.detach() - p0, q.detach() - p0) < 5e-2, "Muon gram triton vs torch"
+                d = rel(p.detach() - p0, q.detach() - p0)
+                assert d < 0.1, ("Muon gram triton vs torch", p.shape, d)
         done.append(f"ns {nb}x{n}x{m}")
     return done
 
