@@ -1,0 +1,29 @@
+"""Training objectives, a choice separate from the model family.
+
+``get_objective("causal_lm")`` (the default) or ``get_objective("masked_diffusion", mask_token_id=...)``
+returns an :class:`Objective` whose :meth:`~Objective.loss` turns ``(spec, model, batch, context)``
+into :class:`ObjectiveOutput` ``(loss_sum, count, metrics)``. New objectives register with
+:func:`register_objective` and are imported here once (docs/objectives.md).
+"""
+
+from ._base import (
+    OBJECTIVE_REGISTRY,
+    Objective,
+    ObjectiveContext,
+    ObjectiveOutput,
+    get_objective,
+    list_objectives,
+    register_objective,
+)
+from .causal_lm import CausalLM
+
+__all__ = [
+    "OBJECTIVE_REGISTRY",
+    "CausalLM",
+    "Objective",
+    "ObjectiveContext",
+    "ObjectiveOutput",
+    "get_objective",
+    "list_objectives",
+    "register_objective",
+]

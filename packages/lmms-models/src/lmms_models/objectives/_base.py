@@ -1,0 +1,181 @@
+"""Training objectives: how one packed micro-batch becomes ``(loss_sum, count, metrics)``.
+
+An objective is a choice separate from the model family (DESIGN.md, "Growing in breadth"): the
+same Qwen3 decoder trains as a causal LM (next-token cross-entropy) or as a masked-diffusion LM
+(bidirectional, 1/t-weighted), a diffusion transformer trains with flow matching. The trainer
+knows objectives only through this interface and normalises every one the same way: the sum of
+``loss_sum`` over the global batch (every micro-batch, every data-parallel rank) divided by the
+global sum of :meth:`Objective.count_tokens` (read on the host before the step).
+
+Registry (STYLE.md #5): :func:`register_objective` fills :data:`OBJECTIVE_REGISTRY`, refusing
+duplicates; :func:`get_objective` builds one from its options and lists the registered names when
+the name is unknown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+__all__ = [
+    "OBJECTIVE_REGISTRY",
+    "Objective",
+    "ObjectiveContext",
+    "ObjectiveOutput",
+    "get_objective",
+    "list_objectives",
+    "register_objective",
+]
+
+OBJECTIVE_REGISTRY: dict[str, type[Objective]] = {}
+
+_O = TypeVar("_O", bound=type)
+
+
+@dataclass(kw_only=True, slots=True)
+class ObjectiveContext:
+    """Run-time facts an objective may need besides the model and the batch.
+
+    * ``seed`` / ``step`` / ``micro_batch``: the randomness of a stochastic objective (noise
+      levels, masks) must be a function of these and of the samples themselves, so that a resumed
+      run draws the same values bit for bit and a layout change (FSDP ranks, SP degree, packing)
+      does not change what a sample sees.
+    * ``sp_group``: the Ulysses SP group (None without SP); the model's decoder then sees this
+      rank's slice of the row, and the objective reduces its sums over the group.
+    * ``loss_backend``: the fused linear cross-entropy's backend
+      (``lmms_kernels.fused_linear_cross_entropy``).
+    """
+
+    seed: int = 0
+    step: int = 0
+    micro_batch: int = 0
+    sp_group: Any = None
+    loss_backend: str = "auto"
+
+
+@dataclass(kw_only=True, slots=True)
+class ObjectiveOutput:
+    """One micro-batch's result on this rank.
+
+    * ``loss_sum``: fp32 scalar with a gradient; the sum of the (weighted) per-token losses of the
+      whole row (already summed over the SP group).
+    * ``count``: int64 scalar, this row's normaliser (the host-side :meth:`Objective.count_tokens`
+      of the same row; kept for callers that normalise per row, e.g. tests).
+    * ``metrics``: ``{name: (numerator, denominator)}`` device scalars (no gradient) that sum over
+      micro-batches and ranks; the logged value is ``sum(numerator) / sum(denominator)``.
+    """
+
+    loss_sum: torch.Tensor
+    count: torch.Tensor
+    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class Objective:
+    """Base class of the objectives. A subclass sets ``name`` (by :func:`register_objective`),
+    optionally an ``Options`` dataclass (its constructor keywords, documented there), and
+    implements :meth:`loss`.
+
+    Hooks, in the order the trainer calls them:
+
+    * :meth:`prepare_model` once after the model is built, before any parallelism is applied
+      (e.g. make the decoder's attention bidirectional);
+    * :meth:`count_tokens` per micro-batch on the host (the global normaliser is their sum);
+    * :meth:`loss` per micro-batch, inside the trainer's forward (FSDP2's root unit around it);
+    * :meth:`state_dict` / :meth:`load_state_dict` with every checkpoint (for objectives that keep
+      random state; the built-in ones are stateless functions of :class:`ObjectiveContext`).
+    """
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type | None] = None
+
+    def __init__(self, **options: Any) -> None:
+        if self.Options is None:
+            if options:
+                raise TypeError(f"objective {self.name!r} takes no options, got {sorted(options)}")
+            self.options: Any = None
+            return
+        known = {f.name for f in dataclasses.fields(self.Options)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            hints = [
+                f"{u!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, known, 1))
+                else repr(u)
+                for u in unknown
+            ]  # fmt: skip
+            raise TypeError(
+                f"objective {self.name!r}: unknown option(s) {', '.join(hints)}; "
+                f"options: {', '.join(sorted(known))}"
+            )
+        self.options = self.Options(**options)
+
+    # -------------------------------------------------------------- hooks
+    def prepare_model(self, spec: Any, model: nn.Module) -> None:
+        """Adapt a freshly built model (single device, before parallelism). Default: nothing."""
+
+    def count_tokens(self, batch: dict[str, Any]) -> int:
+        """This row's share of the global normaliser, read on the host: the collator's
+        ``num_loss_tokens`` (supervised tokens) by default."""
+        return int(batch["num_loss_tokens"])
+
+    def loss(
+        self, spec: Any, model: nn.Module, batch: dict[str, Any], ctx: ObjectiveContext
+    ) -> ObjectiveOutput:
+        raise NotImplementedError(f"objective {self.name!r} defines no loss")
+
+    def hf_config_updates(self) -> dict[str, Any]:
+        """Keys an exported HF ``config.json`` should carry for this objective (e.g. a masked
+        diffusion model's ``is_causal: false`` and ``mask_token_id``). Default: none."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"objective {self.name!r} keeps no state, got {sorted(state)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options!r})"
+
+
+def register_objective(name: str) -> Callable[[_O], _O]:
+    """Class decorator: register an :class:`Objective` subclass under ``name`` (no duplicates)."""
+
+    def deco(cls: _O) -> _O:
+        if name in OBJECTIVE_REGISTRY:
+            raise ValueError(
+                f"objective {name!r} is already registered (by {OBJECTIVE_REGISTRY[name].__name__})"
+            )
+        cls.name = name  # type: ignore[attr-defined]
+        OBJECTIVE_REGISTRY[name] = cls  # type: ignore[assignment]
+        return cls
+
+    return deco
+
+
+def list_objectives() -> list[str]:
+    """Names of the registered objectives, sorted."""
+    return sorted(OBJECTIVE_REGISTRY)
+
+
+def get_objective(name: str, **options: Any) -> Objective:
+    """A new objective ``name`` built from ``options``; the error lists what is registered.
+
+    The built-in objectives are registered when :mod:`lmms_models.objectives` is imported (its
+    ``__init__`` imports each module, which this module's import already ran).
+    """
+    try:
+        cls = OBJECTIVE_REGISTRY[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, OBJECTIVE_REGISTRY, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise KeyError(
+            f"unknown objective {name!r}.{hint} Registered: {', '.join(sorted(OBJECTIVE_REGISTRY))}"
+        ) from None
+    return cls(**options)
