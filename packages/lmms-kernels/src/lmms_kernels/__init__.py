@@ -13,9 +13,18 @@ from ._compile import (
 from ._flce import fused_linear_cross_entropy
 from ._hf import register_varlen_attention
 from ._liger import LIGER_FAMILIES, PatchHandle, apply_liger
+from ._moe import (
+    EXPERTS_BACKENDS,
+    expert_counts,
+    experts_forward,
+    grouped_experts,
+    grouped_mm_available,
+    register_experts,
+)
 
 __all__ = [
     "BACKENDS",
+    "EXPERTS_BACKENDS",
     "LIGER_FAMILIES",
     "CompileHandle",
     "PatchHandle",
@@ -24,9 +33,14 @@ __all__ = [
     "compile_blocks",
     "compile_counts",
     "describe_new_fa4_kernels",
+    "expert_counts",
+    "experts_forward",
     "fa4_kernel_keys",
     "fa4_variants",
     "fused_linear_cross_entropy",
+    "grouped_experts",
+    "grouped_mm_available",
+    "register_experts",
     "register_varlen_attention",
     "resolve_backend",
     "varlen_attention",
