@@ -230,6 +230,11 @@ class SequenceParallel:
     ``[R, 1, T]`` (mRoPE; created as ``arange(T)`` when absent, before slicing, so positions stay
     global). The row is padded to a multiple of ``sp`` (zeros, position 0); the padding forms its
     own attention segment (see :class:`UlyssesAttention`) and its labels are -100.
+
+    A keyword argument whose value has a method ``sp_slice(start, stop)`` is replaced by what that
+    method returns for this rank's token range ``[start, stop)`` of the padded row: the protocol
+    for sparse inputs indexed by row position (Qwen3-VL's deepstack features at visual positions)
+    that the model, not this hook, knows how to cut.
     """
 
     def __init__(self, module: nn.Module, sp_group: dist.ProcessGroup | None) -> None:
@@ -290,4 +295,8 @@ class SequenceParallel:
         cache_position = kwargs.get("cache_position")
         if cache_position is not None and cache_position.shape[-1] == length:
             kwargs["cache_position"] = _pad_slice(cache_position, -1, sp, rank, 0)
+        chunk = sp_pad_len(length, sp) // sp
+        for key, value in kwargs.items():  # row-indexed inputs that slice themselves
+            if callable(getattr(value, "sp_slice", None)):
+                kwargs[key] = value.sp_slice(rank * chunk, (rank + 1) * chunk)
         return args, kwargs

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from ..._registry import register_model
 from ..._spec import to_device
 from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
 
-__all__ = ["Qwen3VLSpec"]
+__all__ = ["DEEPSTACK_KEY", "DeepstackAtPositions", "Qwen3VLSpec", "deepstack_by_index"]
 
 _TINY: dict[str, Any] = {
     "text_config": {
@@ -63,10 +64,43 @@ _TINY: dict[str, Any] = {
 
 
 #: Keyword argument of the base model call carrying deepstack from :meth:`Qwen3VLSpec.merge_media`
-#: to the text model: ``(positions [N] long, per-layer features [N, H], tokens in the row)``.
-#: Upstream's base model hands its unknown keyword arguments on to the text model, where the hook
-#: of :func:`deepstack_by_index` takes this one out before the forward runs.
+#: to the text model: a :class:`DeepstackAtPositions`. Upstream's base model hands its unknown
+#: keyword arguments on to the text model, where the hooks of :func:`deepstack_by_index` turn it
+#: into upstream's arguments (after Ulysses SP's hook has cut it to the rank's slice).
 DEEPSTACK_KEY = "lmms_deepstack"
+
+
+@dataclass(frozen=True, slots=True)
+class DeepstackAtPositions:
+    """Deepstack features at the visual positions of a row of ``n_tokens`` tokens.
+
+    ``where``: ``[N]`` long positions (host, from the host merge) or a boolean ``[1, T]`` mask
+    (upstream's own merge); ``feats``: one ``[N, H]`` tensor per deepstack layer, in position
+    order. ``sp_slice`` is lmms_parallel.SequenceParallel's protocol: the rank's token range
+    ``[start, stop)`` keeps the positions inside it (shifted to the slice) and their features, so
+    deepstack follows the row's slicing exactly. Host positions are cut on the host (no device
+    read); a device mask costs one read of its prefix count.
+    """
+
+    where: torch.Tensor
+    feats: list[torch.Tensor]
+    n_tokens: int
+
+    def sp_slice(self, start: int, stop: int) -> DeepstackAtPositions:
+        if self.where.dtype == torch.bool:  # [1, T] mask: visual tokens before / inside the slice
+            mask = self.where.reshape(-1)
+            counts = torch.stack([mask[:start].sum(), mask[start:stop].sum()]).tolist()
+            first, n = int(counts[0]), int(counts[1])
+            cut = mask[start:stop]
+            if cut.numel() < stop - start:  # the SP padding tail has no visual token
+                cut = torch.cat([cut, cut.new_zeros(stop - start - cut.numel())])
+            feats = [f[first : first + n] for f in self.feats]
+            return DeepstackAtPositions(cut[None], feats, stop - start)
+        keep = ((self.where >= start) & (self.where < stop)).nonzero().squeeze(1)  # [n]
+        if keep.numel() == self.where.numel():
+            return DeepstackAtPositions(self.where - start, self.feats, stop - start)
+        feats = [f.index_select(0, to_device(keep, f.device)) for f in self.feats]
+        return DeepstackAtPositions(self.where[keep] - start, feats, stop - start)
 
 
 def _deepstack_features(out: Any) -> list[torch.Tensor]:
@@ -78,15 +112,19 @@ def _deepstack_features(out: Any) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def deepstack_by_index(text_model: nn.Module) -> Iterator[None]:
-    """While active, the Qwen3-VL text model takes deepstack as positions instead of a mask.
+    """While active, the Qwen3-VL text model takes deepstack as a :class:`DeepstackAtPositions`
+    that follows any slicing of the row (Ulysses SP), and adds host positions by index.
 
-    A call with ``DEEPSTACK_KEY=(positions, features, T)`` becomes upstream's
-    ``visual_pos_masks=positions, deepstack_visual_embeds=features``, and the instance's
-    ``_deepstack_process`` adds a layer's features with ``index_add`` at integer positions.
-    Upstream indexes with the boolean mask (``hidden[mask] + embeds``, written back): a
-    ``nonzero`` whose size the host must read, forward and backward. Each visual position gets
-    the same single addition (bit-identical); the backward is an ``index_select``. Boolean masks
-    (upstream's own merge) still take upstream's path. Removed on exit.
+    Two hooks on the text model, around any other pre-hook (SequenceParallel's included, however
+    early it was installed): the first (prepended) wraps upstream's own ``visual_pos_masks`` /
+    ``deepstack_visual_embeds`` as a ``DEEPSTACK_KEY`` too, so that a slicing hook cuts either
+    form; the last unwraps ``DEEPSTACK_KEY`` into upstream's arguments for the (sliced) row.
+    With integer positions the instance's ``_deepstack_process`` adds a layer's features with
+    ``index_add``. Upstream indexes with the boolean mask (``hidden[mask] + embeds``, written
+    back): a ``nonzero`` whose size the host must read, forward and backward. Each visual
+    position gets the same single addition (bit-identical); the backward is an
+    ``index_select``. Boolean masks (upstream's own merge) still take upstream's path. Removed
+    on exit.
     """
     upstream = text_model._deepstack_process
 
@@ -96,27 +134,38 @@ def deepstack_by_index(text_model: nn.Module) -> Iterator[None]:
         # hidden [1, T, H], where [N], embeds [N, H]
         return hidden.index_add(1, where, embeds.to(hidden.device, hidden.dtype)[None])
 
-    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def wrap(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        mask, feats = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+        if DEEPSTACK_KEY in kwargs or mask is None or feats is None:
+            return args, kwargs
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("visual_pos_masks",
+                                                               "deepstack_visual_embeds")}  # fmt: skip
+        kwargs[DEEPSTACK_KEY] = DeepstackAtPositions(mask, list(feats), mask.shape[-1])
+        return args, kwargs
+
+    def unwrap(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         deep = kwargs.pop(DEEPSTACK_KEY, None)
         if deep is None:
             return args, kwargs
-        where, feats, n_tokens = deep
         embeds = kwargs.get("inputs_embeds")
-        if embeds is None or embeds.shape[1] != n_tokens:
-            raise NotImplementedError(
-                "Qwen3-VL deepstack positions cover the whole row of "
-                f"{n_tokens} tokens, the text model got "
-                f"{None if embeds is None else embeds.shape[1]}: a sliced row (Ulysses SP) is "
-                "not supported yet"
+        if embeds is None or embeds.shape[1] != deep.n_tokens:
+            raise RuntimeError(
+                f"Qwen3-VL deepstack positions index a row of {deep.n_tokens} tokens, the text "
+                f"model got {None if embeds is None else embeds.shape[1]}: a hook sliced the row "
+                "without cutting the deepstack positions (give the value an sp_slice method, as "
+                "lmms_parallel.SequenceParallel expects)"
             )
-        return args, {**kwargs, "visual_pos_masks": where, "deepstack_visual_embeds": feats}
+        where = to_device(deep.where, embeds.device)
+        return args, {**kwargs, "visual_pos_masks": where, "deepstack_visual_embeds": deep.feats}
 
     own = vars(text_model).get("_deepstack_process")  # an instance patch already there, if any
     text_model._deepstack_process = process
+    first = text_model.register_forward_pre_hook(wrap, with_kwargs=True, prepend=True)
     try:
-        with forward_pre_hook(text_model, hook):
+        with forward_pre_hook(text_model, unwrap):
             yield
     finally:
+        first.remove()
         if own is None:
             del text_model._deepstack_process
         else:
@@ -141,7 +190,7 @@ class Qwen3VLSpec(QwenVLSpec):
         where = torch.cat([w for w, _ in placed])  # [N] host
         per_kind = [_deepstack_features(out) for _, out in placed]
         feats = [torch.cat(layer, dim=0) for layer in zip(*per_kind, strict=True)]
-        return {DEEPSTACK_KEY: (to_device(where, embeds.device), feats, embeds.shape[1])}
+        return {DEEPSTACK_KEY: DeepstackAtPositions(where, feats, embeds.shape[1])}
 
     @contextlib.contextmanager
     def media_context(self, model: nn.Module) -> Iterator[None]:

@@ -1,0 +1,84 @@
+"""Worker of test_sp_vl.py: Ulysses SP 2 and 4 (gloo, 4 CPU processes) against the 1-process
+packed forward, for every VL family and each way its media reach the decoder. One spawn runs
+every scenario; results go to per-rank JSON files the tests read."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from test_packed_parity import VL_FAMILIES, tiny_pack
+
+import lmms_parallel as lp
+
+#: (family, scenario name, spec attributes set for the run)
+SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
+    *[(name, "host_merge", {}) for name in VL_FAMILIES],
+    ("qwen3_vl", "upstream_merge", {"host_merge": False}),  # deepstack as upstream's bool mask
+]
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(spec, model, batch, group) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss, count = spec.packed_forward(model, batch, sp_group=group)
+    (loss / count).backward()
+    grads = _grads(model)
+    if group is not None:  # each rank holds its slice's contribution: the sum is the whole row's
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+    return float(loss / count), grads
+
+
+def scenario(name: str, attrs: dict[str, Any], groups: dict[int, Any]) -> dict[str, Any]:
+    spec, model, batch = tiny_pack(name)
+    saved = {k: getattr(spec, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(spec, k, v)
+    try:
+        ref_loss, ref = _step(spec, model, batch, None)
+        out: dict[str, Any] = {"loss_sp1": ref_loss}
+        for sp, group in groups.items():
+            spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
+            with lp.SequenceParallel(spec.sp_slice_module(model), group):
+                loss, grads = _step(spec, model, batch, group)
+            spec.set_attention(model, backend="varlen_sdpa")
+            worst = max(
+                float((grads[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-6)) for k in ref
+            )
+            out[f"sp{sp}"] = {
+                "loss": loss,
+                "same_params": sorted(grads) == sorted(ref),
+                "worst_rel_grad": worst,
+            }
+        return out
+    finally:
+        for k, v in saved.items():
+            setattr(spec, k, v)
+
+
+def run(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=240))
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
+    results: dict[str, Any] = {}
+    try:
+        for name, label, attrs in SCENARIOS:
+            try:
+                results[f"{name}/{label}"] = scenario(name, attrs, groups)
+            except Exception:
+                results[f"{name}/{label}"] = {"error": traceback.format_exc()}
+    finally:
+        Path(out_dir, f"sp_rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()

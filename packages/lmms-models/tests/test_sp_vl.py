@@ -1,0 +1,48 @@
+"""Ulysses SP 2 and 4 equal SP 1 for every VL family (loss and gradients, gloo on CPU).
+
+Qwen3-VL's deepstack features sit at visual positions of the whole row; under SP they must follow
+the row's slicing (``DeepstackAtPositions.sp_slice``), from the host merge and from upstream's
+own boolean-mask merge alike. One 4-process spawn runs every scenario (see _sp_workers.py).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import _sp_workers
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("sp_vl")
+    mp.spawn(_sp_workers.run, args=(4, _port(), str(out)), nprocs=4, join=True)
+    return [json.loads((out / f"sp_rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.parametrize("case", [f"{n}/{label}" for n, label, _ in _sp_workers.SCENARIOS])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sp_matches_sp1(results, case, sp):
+    for rank, res in enumerate(results):
+        got = res[case]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        run = got[f"sp{sp}"]
+        assert run["loss"] == pytest.approx(got["loss_sp1"], rel=1e-5, abs=1e-6), rank
+        assert run["same_params"], rank
+        assert run["worst_rel_grad"] < 1e-4, (rank, run["worst_rel_grad"])
