@@ -157,3 +157,36 @@ def check_flce_frozen_weight_and_no_grad(h, w, y, backend):
     with torch.no_grad():
         again, _ = lk.fused_linear_cross_entropy(h, w, y, backend=backend)
     torch.testing.assert_close(again, loss.detach())
+
+
+def check_flce_weighted(backend, dtype, gen, *, t=37, hd=24, v=1000, bias=False, **kw):
+    """``token_weights`` and ``token_stats`` of a fused linear cross-entropy against fp32 logits:
+    the weighted sum ``Σ w_i CE_i`` and its gradients, the unweighted per-token losses, and the
+    argmax hits (ignored rows: loss 0, no hit)."""
+    import lmms_kernels as lk
+
+    h, w, b, y = flce_case(t, hd, v, dtype, gen, frac_ignored=0.2, bias=bias)
+    tw = torch.rand(t, generator=gen) * 4 + 0.5  # [t] fp32, like 1/t weights
+    logits = h.float() @ w.float().T + (b.float() if b is not None else 0)
+    y[0] = int(logits[0].argmax())  # at least one hit
+    loss, n, rows, hit = lk.fused_linear_cross_entropy(
+        h, w, y, bias=b, backend=backend, token_weights=tw, token_stats=True, **kw
+    )
+    ref_rows = F.cross_entropy(logits, y, reduction="none", ignore_index=-100)  # [t]
+    ref = (ref_rows * tw).sum()
+    tol = FLCE_TOL[dtype]
+    torch.testing.assert_close(loss, ref, **tol)
+    assert int(n) == int((y != -100).sum())
+    torch.testing.assert_close(rows, ref_rows.detach(), **tol)
+    assert not rows.requires_grad and not hit.requires_grad and hit.dtype == torch.bool
+    valid = y != -100
+    ref_hit = valid & (logits.gather(1, y.clamp(min=0)[:, None]).squeeze(1) >= logits.amax(-1))
+    assert hit[0] and torch.equal(hit, ref_hit) if dtype == torch.float32 else hit[0]
+    params = [x for x in (h, w, b) if x is not None]
+    grads = torch.autograd.grad(loss * 0.37, params)
+    refs = torch.autograd.grad(ref * 0.37, params)
+    for g, r in zip(grads, refs, strict=True):
+        torch.testing.assert_close(g.float(), r.float(), **tol)
+    # the weights change the gradients (the check can fail): unweighted differs
+    plain, _ = lk.fused_linear_cross_entropy(h, w, y, bias=b, backend=backend, **kw)
+    assert not torch.allclose(plain, loss)

@@ -1,7 +1,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from _kernels_ref import FLCE_TOL, check_flce, check_flce_frozen_weight_and_no_grad, flce_case
+from _kernels_ref import (
+    FLCE_TOL,
+    check_flce,
+    check_flce_frozen_weight_and_no_grad,
+    check_flce_weighted,
+    flce_case,
+)
 
 import lmms_kernels as lk
 
@@ -24,6 +30,13 @@ def test_chunked_matches_naive(dtype):
             h, w, y, bias=b, backend="torch", memory_budget_bytes=budget
         )
         check_flce(loss, n, h, w, b, y, grad_scale=0.7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_weights_and_stats(dtype):
+    gen = torch.Generator().manual_seed(3)
+    for bias, budget in [(False, 101 * 8 * 4), (True, None)]:  # several chunks, one chunk
+        check_flce_weighted("torch", dtype, gen, v=101, bias=bias, memory_budget_bytes=budget)
 
 
 def test_all_ignored_frozen_weight_and_no_grad():

@@ -15,7 +15,13 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from _kernels_ref import FLCE_TOL, check_flce, check_flce_frozen_weight_and_no_grad, flce_case
+from _kernels_ref import (
+    FLCE_TOL,
+    check_flce,
+    check_flce_frozen_weight_and_no_grad,
+    check_flce_weighted,
+    flce_case,
+)
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -89,6 +95,15 @@ def test_matches_cross_entropy(dtype, bias):
             h, w, y, bias=b, ignore_index=ignore_index, backend="triton", memory_budget_bytes=budget
         )
         check_flce(loss, n, h, w, b, y, ignore_index=ignore_index, grad_scale=0.37)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_weights_and_stats(dtype):
+    gen = torch.Generator().manual_seed(3)
+    itemsize = torch.finfo(dtype).bits // 8
+    for bias, budget in [(False, 10 * V * itemsize), (True, None)]:  # chunks of 10, one chunk
+        check_flce_weighted("triton", dtype, gen, v=V, bias=bias, memory_budget_bytes=budget)
 
 
 _PY_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "equal"}

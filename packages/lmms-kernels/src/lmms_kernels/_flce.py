@@ -62,8 +62,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index: int, chunk: int):
-        # hidden [T, Hd], weight [V, Hd], bias [V] | None, labels [T]
+    def forward(ctx, hidden, weight, bias, labels, ignore_index: int, chunk: int, tw, stats):
+        # hidden [T, Hd], weight [V, Hd], bias [V] | None, labels [T], tw [T] fp32 | None,
+        # stats: None or (token losses [T] fp32, token hits [T] bool) filled here
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         cdt = _compute_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -92,13 +93,18 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 y_safe = torch.where(valid, y, torch.zeros_like(y))
                 lse = torch.logsumexp(logits, dim=-1)  # [c]
                 target = logits.gather(1, y_safe[:, None]).squeeze(1)
-                loss += ((lse - target) * valid).sum()
+                rows = (lse - target) * valid  # [c]
+                keep = valid.float() if tw is None else valid * tw[s : s + chunk]  # [c]
+                loss += (rows if tw is None else rows * keep).sum()
+                if stats is not None:
+                    stats[0][s : s + chunk] = rows
+                    stats[1][s : s + chunk] = valid & (target >= logits.amax(-1))
                 if not (need_h or need_w or need_b):
                     continue
                 # d loss / d logits = softmax - onehot, zero on ignored rows
                 grad = logits.sub_(lse[:, None]).exp_()
                 grad[torch.arange(grad.shape[0], device=grad.device), y_safe] -= 1.0
-                grad *= valid[:, None]
+                grad *= keep[:, None]
                 if need_b:
                     g_b += grad.sum(0)
                 grad = grad.to(cdt)
@@ -112,7 +118,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*scaled_saved_grads(ctx, grad_out), None, None, None)
+        return (*scaled_saved_grads(ctx, grad_out), None, None, None, None, None)
 
 
 def scaled_saved_grads(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -173,7 +179,9 @@ def fused_linear_cross_entropy(
     ignore_index: int = -100,
     backend: str = "auto",
     memory_budget_bytes: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    token_weights: torch.Tensor | None = None,  # [T] fp32
+    token_stats: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Return ``(sum of token losses [fp32 scalar], number of counted tokens [int64 scalar])``.
 
     Equals ``F.cross_entropy(hidden @ weight.T + bias, labels, reduction="sum",
@@ -184,6 +192,15 @@ def fused_linear_cross_entropy(
     ``memory_budget_bytes`` bounds one chunk's logits: by default 512 MiB of fp32 logits and
     their temporary for "torch", 1 GiB of compute-dtype logits for "triton" (Liger ignores it).
     Divide by the *global* token count yourself.
+
+    ``token_weights [T]`` (fp32, optional) weights each token's loss and gradients:
+    ``sum_i w_i · CE_i`` (masked diffusion's 1/t weights). The "torch" and "triton" backends fold
+    the weight into the ``[c, V]`` logits gradient they already write (no extra pass); Liger has no
+    per-token weights ("auto" then takes "triton", or "torch" without triton).
+    ``token_stats=True`` also returns, without gradients, ``token_loss [T]`` (fp32, unweighted, 0
+    on ignored rows) and ``token_hit [T]`` (bool: the label's logit is the row's maximum, i.e. an
+    argmax prediction is right; False on ignored rows), read from the logits the loss computes
+    anyway: masked-token accuracy at no extra matmul.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -192,7 +209,24 @@ def fused_linear_cross_entropy(
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels {tuple(labels.shape)} must be [T] with T={hidden.shape[0]}")
     count = (labels != ignore_index).sum()
+    extras = token_weights is not None or token_stats
+    if token_weights is not None and token_weights.shape != labels.shape:
+        raise ValueError(f"token_weights {tuple(token_weights.shape)} must be [T] like labels")
+    tw = None if token_weights is None else token_weights.detach().float().contiguous()
     name = _resolve(backend, hidden.device)
+    if extras and name == "liger":
+        if backend == "liger":
+            raise NotImplementedError(
+                "backend 'liger' has no token_weights / token_stats; use 'triton' or 'torch'"
+            )
+        name = "triton" if _triton_usable(hidden.device) else "torch"
+    stats = None
+    if token_stats:
+        t = hidden.shape[0]
+        stats = (
+            torch.zeros(t, dtype=torch.float32, device=hidden.device),
+            torch.zeros(t, dtype=torch.bool, device=hidden.device),
+        )
     if name == "liger":
         fn = _liger_fn()
         out = fn.apply(
@@ -214,10 +248,10 @@ def fused_linear_cross_entropy(
         budget = _flce_triton.DEFAULT_BUDGET if memory_budget_bytes is None else memory_budget_bytes
         cdt = _compute_dtype(hidden)
         loss = _flce_triton.linear_cross_entropy(
-            hidden, weight, bias, labels, ignore_index, cdt, budget
+            hidden, weight, bias, labels, ignore_index, cdt, budget, token_weights=tw, stats=stats
         )
-        return loss, count
-    budget = _DEFAULT_BUDGET if memory_budget_bytes is None else memory_budget_bytes
-    chunk = _chunk_size(hidden.shape[0], weight.shape[0], budget)
-    loss = _ChunkedLinearCE.apply(hidden, weight, bias, labels, ignore_index, chunk)
-    return loss, count
+    else:
+        budget = _DEFAULT_BUDGET if memory_budget_bytes is None else memory_budget_bytes
+        chunk = _chunk_size(hidden.shape[0], weight.shape[0], budget)
+        loss = _ChunkedLinearCE.apply(hidden, weight, bias, labels, ignore_index, chunk, tw, stats)
+    return (loss, count) if stats is None else (loss, count, *stats)

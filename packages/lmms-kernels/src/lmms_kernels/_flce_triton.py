@@ -50,10 +50,14 @@ def _ce_rows(
     logits_ptr,  # [N, V] compute dtype; overwritten by d loss / d logits when WRITE_GRAD
     labels_ptr,  # [N] int
     loss_ptr,  # [N] fp32
+    weight_ptr,  # [N] fp32 per-row gradient weights (read when HAS_WEIGHT)
+    hit_ptr,  # [N] int8: label logit == row max (written when WRITE_HIT)
     V,
     stride,
     ignore_index,
     WRITE_GRAD: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    WRITE_HIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -72,8 +76,12 @@ def _ce_rows(
         m = m_new
     lse = m + tl.log(s)
     tl.store(loss_ptr + row, tl.where(valid, lse - target.to(tl.float32), 0.0))
+    if WRITE_HIT:
+        tl.store(hit_ptr + row, (valid & (target.to(tl.float32) >= m)).to(tl.int8))
     if WRITE_GRAD:
         keep = tl.where(valid, 1.0, 0.0)
+        if HAS_WEIGHT:
+            keep = keep * tl.load(weight_ptr + row)
         for start in range(0, V, BLOCK):
             idx = start + cols
             x = tl.load(ptr + idx, mask=idx < V, other=0.0).to(tl.float32)
@@ -88,7 +96,9 @@ def ce_rows(
     *,
     write_grad: bool,
     block: int | None = None,
-) -> torch.Tensor:  # [N] fp32 row losses (0 on ignored rows)
+    row_weights: torch.Tensor | None = None,  # [N] fp32: scales each row's gradient
+    hits: torch.Tensor | None = None,  # [N] int8, written: label logit == row max
+) -> torch.Tensor:  # [N] fp32 row losses (0 on ignored rows, unweighted)
     """Launch :func:`_ce_rows`: one program per row, no host synchronisation."""
     n, v = logits.shape
     assert logits.stride(1) == 1 and labels.is_contiguous()
@@ -97,8 +107,11 @@ def ce_rows(
         return loss
     block = block or (_BLOCK_INTERPRET if _INTERPRET else _BLOCK)
     _ce_rows[(n,)](
-        logits, labels, loss, v, logits.stride(0), ignore_index,
-        WRITE_GRAD=write_grad, BLOCK=block, num_warps=1 if _INTERPRET else 8,
+        logits, labels, loss,
+        loss if row_weights is None else row_weights, loss if hits is None else hits,
+        v, logits.stride(0), ignore_index,
+        WRITE_GRAD=write_grad, HAS_WEIGHT=row_weights is not None, WRITE_HIT=hits is not None,
+        BLOCK=block, num_warps=1 if _INTERPRET else 8,
     )  # fmt: skip
     return loss
 
@@ -165,8 +178,9 @@ def _chunks(t: int, v: int, itemsize: int, budget: int) -> list[tuple[int, int]]
 
 class _TritonLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index: int, cdt, budget: int):
-        # hidden [T, Hd], weight [V, Hd], bias [V] | None, labels [T]
+    def forward(ctx, hidden, weight, bias, labels, ignore_index: int, cdt, budget: int, tw, stats):
+        # hidden [T, Hd], weight [V, Hd], bias [V] | None, labels [T], tw [T] fp32 | None,
+        # stats: None or (token losses [T] fp32, token hits [T] bool) filled here
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         need_grad = need_h or need_w or need_b
         (t, hd), v = hidden.shape, weight.shape[0]
@@ -178,6 +192,7 @@ class _TritonLinearCE(torch.autograd.Function):
             spans = _chunks(t, v, w.element_size(), budget)
             buf = torch.empty(spans[0][1] - spans[0][0], v, dtype=cdt, device=dev)  # [c, V]
             losses = []
+            hits = torch.zeros(t, dtype=torch.int8, device=dev) if stats is not None else None
             g_h = torch.empty(t, hd, dtype=cdt, device=dev) if need_h else None
             g_w = torch.zeros(v, hd, dtype=torch.float32, device=dev) if need_w else None
             g_b = torch.zeros(v, dtype=torch.float32, device=dev) if need_b else None
@@ -187,7 +202,13 @@ class _TritonLinearCE(torch.autograd.Function):
                     torch.mm(h, w.t(), out=logits)
                 else:
                     torch.addmm(b, h, w.t(), out=logits)
-                losses.append(ce_rows(logits, labels[s:e], ignore_index, write_grad=need_grad))
+                losses.append(
+                    ce_rows(
+                        logits, labels[s:e], ignore_index, write_grad=need_grad,
+                        row_weights=None if tw is None else tw[s:e],
+                        hits=None if hits is None else hits[s:e],
+                    )
+                )  # fmt: skip
                 grad = logits  # now d loss / d logits
                 if need_h:
                     torch.mm(grad, w, out=g_h[s:e])
@@ -195,14 +216,18 @@ class _TritonLinearCE(torch.autograd.Function):
                     _accumulate_fp32(g_w, grad.t(), h)
                 if need_b:
                     g_b += grad.sum(0, dtype=torch.float32)
-            loss = torch.cat(losses).sum()
+            rows = torch.cat(losses)  # [T]
+            loss = rows.sum() if tw is None else (rows * tw).sum()
+            if stats is not None:
+                stats[0].copy_(rows)
+                stats[1].copy_(hits.bool())
         ctx.save_for_backward(g_h, g_w, g_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (*scaled_saved_grads(ctx, grad_out), None, None, None, None)
+        return (*scaled_saved_grads(ctx, grad_out), None, None, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -213,5 +238,10 @@ def linear_cross_entropy(
     ignore_index: int,
     compute_dtype: torch.dtype,
     budget: int = DEFAULT_BUDGET,
-) -> torch.Tensor:  # fp32 scalar: sum of the counted tokens' losses
-    return _TritonLinearCE.apply(hidden, weight, bias, labels, ignore_index, compute_dtype, budget)
+    *,
+    token_weights: torch.Tensor | None = None,  # [T] fp32
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,  # filled: [T] fp32, [T] bool
+) -> torch.Tensor:  # fp32 scalar: sum of the counted tokens' (weighted) losses
+    return _TritonLinearCE.apply(
+        hidden, weight, bias, labels, ignore_index, compute_dtype, budget, token_weights, stats
+    )
