@@ -9,7 +9,7 @@ from typing import Any
 from lmms_data._registry import check_keys
 
 BAD_RECORD_POLICIES = ("skip", "raise")
-FORMATS = ("jsonl", "parquet", "arrow", "hf")
+FORMATS = ("jsonl", "json", "json_array", "parquet", "arrow", "hf")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,7 +24,7 @@ class DatasetConfig:
 
     dataset_type: str = "chat"  # record adapter from the dataset registry
     dataset_path: str | list[str] = ""
-    dataset_format: str | None = None  # jsonl | parquet | arrow | hf; None = from extension
+    dataset_format: str | None = None  # one of FORMATS; None = from the extension (.json sniffed)
     data_folder: str | None = None  # base of relative media paths (default: the shard's folder)
     allow_absolute_paths: bool = False  # media paths may be absolute / escape data_folder
     mixture_weights: list[float] | None = None  # one per dataset_path entry

@@ -26,6 +26,7 @@ from lmms_data._config import DatasetConfig
 from lmms_data._errors import BadRecordStats
 from lmms_data._readers import Unit, discover_units
 from lmms_data._registry import PROCESSOR_REGISTRY
+from lmms_data._shape import check_shape
 from lmms_data._stream import SlotStream
 
 _STATE_VERSION = 1
@@ -46,7 +47,9 @@ def build_processor(
 
 
 def discover(cfg: DatasetConfig, n_slots: int) -> list[list[Unit]]:
-    return [discover_units(p, cfg.dataset_format, n_slots) for p in cfg.paths]
+    sources = [discover_units(p, cfg.dataset_format, n_slots) for p in cfg.paths]
+    check_shape(cfg, sources)  # one line naming the accepted shapes, not N bad records later
+    return sources
 
 
 def _is_hf_processor(p: Any) -> bool:

@@ -25,11 +25,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lmms_data._errors import BadRecordError
+from lmms_data._json_array import iter_array, read_element, sniff, split_points
 
 JSONL_CHUNK_BYTES = 64 << 20
 _EXT = {
     ".jsonl": "jsonl",
-    ".json": "jsonl",
+    ".json": "json",  # JSON Lines or one JSON array: sniffed (lmms_data._json_array)
     ".jsonl.gz": "jsonl.gz",
     ".json.gz": "jsonl.gz",
     ".parquet": "parquet",
@@ -45,7 +46,7 @@ class Unit:
     """One piece of work. ``lo``/``hi``: row range inside ``part`` (byte range for plain JSONL)."""
 
     file: str
-    fmt: str  # jsonl | jsonl.gz | parquet | arrow_file | arrow_stream
+    fmt: str  # jsonl | jsonl.gz | json_array | parquet | arrow_file | arrow_stream
     part: int  # row group / record batch index (0 for JSONL)
     lo: int
     hi: int  # exclusive; -1 = to the end
@@ -54,6 +55,8 @@ class Unit:
     def location(self, pos: int, ordinal: int) -> str:
         if self.fmt == "jsonl":
             return f"{self.file} line {ordinal + 1}" if self.lo == 0 else f"{self.file} @byte {pos}"
+        if self.fmt == "json_array":
+            return f"{self.file} record {self.base + ordinal} (@byte {pos})"
         return f"{self.file} record {self.base + pos - self.lo}" if self.base >= 0 else self.file
 
 
@@ -100,8 +103,10 @@ def list_files(path: str, fmt: str | None) -> list[tuple[str, str]]:
     out = []
     for f in files:
         ff = fmt if fmt not in (None, "hf") else detect_format(f)
-        if ff == "jsonl" and f.lower().endswith(".gz"):
+        if ff in ("jsonl", "json") and f.lower().endswith(".gz"):
             ff = "jsonl.gz"
+        elif ff == "json":
+            ff = sniff(f)
         out.append((f, ff))
     return out
 
@@ -142,6 +147,8 @@ def file_units(file: str, fmt: str) -> list[Unit]:
         return [Unit(file, "jsonl", 0, i * step, min(size, (i + 1) * step), -1) for i in range(n)]
     if fmt == "jsonl.gz":
         return [Unit(file, "jsonl.gz", 0, 0, -1, 0)]
+    if fmt == "json_array":
+        return [Unit(file, "json_array", 0, 0, os.path.getsize(file), 0)]
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -149,6 +156,10 @@ def split_unit(u: Unit, k: int) -> list[Unit]:
     """Split one unit into ``k`` contiguous sub-ranges (rows, bytes, or lines for gzip)."""
     if k <= 1:
         return [u]
+    if u.fmt == "json_array":  # boundaries must be element starts: one framing pass finds them
+        starts = split_points(u.file, k)
+        ends = [p for p, _ in starts[1:]] + [u.hi]
+        return [Unit(u.file, u.fmt, 0, p, e, n) for (p, n), e in zip(starts, ends, strict=True)]
     hi = u.hi
     if u.fmt == "jsonl.gz" and hi < 0:
         with gzip.open(u.file, "rb") as f:
@@ -211,6 +222,9 @@ def iter_unit(unit: Unit, pos: int | None = None) -> Iterator[tuple[int, int, An
                     yield p, q, line
                 p = q
         return
+    if unit.fmt == "json_array":
+        yield from iter_array(unit.file, unit.lo, unit.hi, pos)
+        return
     if unit.fmt == "jsonl.gz":
         with gzip.open(unit.file, "rb") as f:
             for i, line in enumerate(f):
@@ -263,6 +277,8 @@ def read_at(unit: Unit, positions: list[int]) -> dict[int, Any]:
                 f.seek(p)
                 out[p] = f.readline()
         return out
+    if unit.fmt == "json_array":
+        return {p: read_element(unit.file, p) for p in want}
     if unit.fmt == "jsonl.gz":
         last = max(want)
         with gzip.open(unit.file, "rb") as f:

@@ -3,10 +3,15 @@
 The normalised record is ``{"messages": [{"role", "content": [part, ...]}, ...]}`` where a part is
 ``{"type": "text", "text": str}`` or ``{"type": "image" | "video" | "audio", <type>: Media}`` and a
 ``Media`` is bytes or an absolute path checked to exist (and to stay inside ``data_folder``).
+OpenAI-style parts map onto these: ``image_url`` / ``input_image`` (a path, ``file://`` URL or
+``data:`` URL), ``video_url``, ``audio_url``, ``input_audio`` (``{"data": base64, "format"}``) and
+``input_text`` / ``output_text``.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import re
@@ -19,6 +24,38 @@ ROLES = ("system", "user", "assistant", "tool")
 _LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                 "system": "system"}  # fmt: skip
 _LLAVA_TAG = re.compile(r"<(image|video|audio)>")
+_TEXT_PARTS = ("text", "input_text", "output_text")
+_OPENAI_PARTS = {"image_url": "image", "input_image": "image", "video_url": "video",
+                 "audio_url": "audio", "input_audio": "audio"}  # fmt: skip
+_ROLE_ALIASES = {"developer": "system"}
+#: the record shapes the built-in ``chat`` adapter understands, named in shape errors
+ACCEPTED_RECORDS = (
+    '{"messages": [{"role", "content": str | [parts]}]} (OpenAI / Qwen-VL; parts text, image, '
+    'video, audio, image_url, input_audio), or {"conversations": [{"from", "value"}], "image": ...}'
+    " (LLaVA / ShareGPT); other shapes need a registered dataset_type"
+)
+
+
+def _b64(data: Any, what: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise BadRecordError("malformed_record", f"{what} is not valid base64") from None
+
+
+def _openai_media(part: dict[str, Any], t: str) -> Any:
+    """The media value of an OpenAI-style part (a path / URL string, or decoded bytes)."""
+    value = part.get(t)
+    if t == "input_image" and value is None:
+        value = part.get("image_url")
+    if isinstance(value, dict):
+        if value.get("url") is not None:
+            value = value["url"]
+        elif value.get("data") is not None:  # input_audio: {"data": base64, "format": "wav"}
+            value = _b64(value["data"], f"{t}.data")
+    if value is None:
+        raise BadRecordError("malformed_record", f"{t} part carries no url/data")
+    return value
 
 
 def _as_list(x: Any) -> list:
@@ -81,7 +118,8 @@ def _normalise_messages(rec: dict[str, Any]) -> list[dict[str, Any]]:
     used = dict.fromkeys(MEDIA_TYPES, 0)
     out = []
     for m in msgs:
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        role = _ROLE_ALIASES.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None
+        if role not in ROLES:
             raise BadRecordError("malformed_record", f"bad message {str(m)[:80]!r}")
         content = m.get("content")
         if isinstance(content, str):
@@ -93,8 +131,11 @@ def _normalise_messages(rec: dict[str, Any]) -> list[dict[str, Any]]:
             if not isinstance(part, dict):
                 raise BadRecordError("malformed_record", "content part is not an object")
             t = part.get("type")
-            if t == "text":
+            if t in _TEXT_PARTS:
                 parts.append({"type": "text", "text": str(part.get("text") or "")})
+            elif t in _OPENAI_PARTS:
+                kind = _OPENAI_PARTS[t]
+                parts.append({"type": kind, kind: _openai_media(part, t)})
             elif t in MEDIA_TYPES:
                 value = part.get(t)
                 if value is None:  # Arrow structs fill absent keys with None
@@ -108,8 +149,11 @@ def _normalise_messages(rec: dict[str, Any]) -> list[dict[str, Any]]:
                     used[t] += 1
                 parts.append({"type": t, t: value})
             else:
-                raise BadRecordError("malformed_record", f"unknown content part type {t!r}")
-        out.append({"role": m["role"], "content": parts})
+                known = sorted({*_TEXT_PARTS, *MEDIA_TYPES, *_OPENAI_PARTS})
+                raise BadRecordError(
+                    "malformed_record", f"unknown content part type {t!r} (known: {known})"
+                )
+        out.append({"role": role, "content": parts})
     for t in MEDIA_TYPES:
         # a media column must be used fully, unless the parts carry their own (inline) media
         if columns[t] and used[t] != len(columns[t]) and (used[t] > 0 or not _has_inline(out, t)):
@@ -132,7 +176,8 @@ def normalise(rec: dict[str, Any]) -> list[dict[str, Any]]:
         messages = from_llava(rec)
     else:
         raise BadRecordError(
-            "malformed_record", f"no 'messages' or 'conversations' (keys: {sorted(rec)})"
+            "malformed_record",
+            f"no 'messages' or 'conversations' (keys: {sorted(rec)[:8]}); accepted: {ACCEPTED_RECORDS}",
         )
     if not any(p["type"] != "text" or p["text"].strip() for m in messages for p in m["content"]):
         raise BadRecordError("empty_conversation", "the conversation has no content")
@@ -149,6 +194,17 @@ def resolve_media(value: Any, kind: str, base: str, *, allow_absolute: bool) -> 
         return bytes(value)
     if not isinstance(value, str) or not value:
         raise BadRecordError("malformed_record", f"{kind} value must be a path or bytes")
+    if value.startswith("data:"):  # data:[<mime>][;base64],<payload>
+        head, _, payload = value.partition(",")
+        if not head.endswith(";base64"):
+            raise BadRecordError("malformed_record", f"{kind} data URL is not base64")
+        return _b64(payload, f"{kind} data URL")
+    if value.startswith(("http://", "https://")):
+        raise BadRecordError(
+            "missing_media",
+            f"{kind} {value[:80]!r} is a remote URL: lmms reads local files (download the media "
+            "and give paths relative to data_folder)",
+        )
     if value.startswith("file://"):
         value = value[len("file://") :]
     base = os.path.realpath(base)
