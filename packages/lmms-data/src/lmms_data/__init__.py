@@ -11,10 +11,13 @@ Public API::
     build_local_processor(out_dir, family, vocab_size) -> info dict (token ids)
     generate_synthetic_vl(out_dir, n, format="parquet" | "jsonl", seed=0)
     generate_synthetic_text(out_dir, n, format="parquet" | "jsonl", seed=0)   # text-only records
+    generate_synthetic_audio(out_dir, n, format="parquet" | "jsonl", seed=0)  # tone "digits"
+    decode_audio(src, sampling_rate) ; AudioOptions(...)   # the audio path (extra `audio`)
 """
 
 from lmms_data import _datasets as _datasets  # registers the built-in dataset types
 from lmms_data import processors as processors  # registers the built-in processors
+from lmms_data._audio import AudioOptions, decode_audio, load_audio_clips
 from lmms_data._collate import MEDIA_KEYS, collate_packed_batch
 from lmms_data._config import DatasetConfig
 from lmms_data._errors import BAD_REASONS, BadRecordError, BadRecordRatioExceeded, BadRecordStats
@@ -32,9 +35,12 @@ from lmms_data._registry import (
 )
 from lmms_data._stream import SlotStream
 from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
+from lmms_data._synthetic_audio import generate_synthetic_audio
 from lmms_data.processors import (
+    AUDIO_TYPE_ID,
     IGNORE_INDEX,
     TEXT_FAMILIES,
+    Qwen2AudioDataProcessor,
     QwenTextProcessor,
     QwenVLProcessor,
     mrope_positions,
@@ -43,6 +49,7 @@ from lmms_data.processors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AUDIO_TYPE_ID",
     "BAD_REASONS",
     "DATASET_REGISTRY",
     "IGNORE_INDEX",
@@ -50,11 +57,13 @@ __all__ = [
     "PROCESSOR_REGISTRY",
     "SPECIAL_TOKENS",
     "TEXT_FAMILIES",
+    "AudioOptions",
     "BadRecordError",
     "BadRecordRatioExceeded",
     "BadRecordStats",
     "DatasetConfig",
     "PackedLoader",
+    "Qwen2AudioDataProcessor",
     "QwenTextProcessor",
     "QwenVLProcessor",
     "Registry",
@@ -67,10 +76,13 @@ __all__ = [
     "build_processor",
     "check_keys",
     "collate_packed_batch",
+    "decode_audio",
     "discover_units",
+    "generate_synthetic_audio",
     "generate_synthetic_text",
     "generate_synthetic_vl",
     "iter_unit",
+    "load_audio_clips",
     "mrope_positions",
     "normalise",
     "processors",

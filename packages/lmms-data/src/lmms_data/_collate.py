@@ -11,7 +11,8 @@ from lmms_pack import collate_packed
 
 #: media keys concatenated along dim 0 in pack order
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-              "second_per_grid_ts")  # fmt: skip
+              "second_per_grid_ts", "input_features", "audio_feature_lens",
+              "audio_frames")  # fmt: skip
 
 
 def collate_packed_batch(
@@ -42,6 +43,8 @@ def collate_packed_batch(
             off += n
         row["mm_token_type_ids"] = mm
     row["vision_tokens"] = int(sum(int(s.get("vision_tokens", 0)) for s in samples))
+    if any("audio_tokens" in s for s in samples):
+        row["audio_tokens"] = int(sum(int(s.get("audio_tokens", 0)) for s in samples))
     if not as_torch:
         return row
     try:

@@ -87,20 +87,36 @@ def build_local_processor(
     Returns ``{"path", "vocab_size", "image_token_id", "video_token_id", "vision_start_token_id",
     "vision_end_token_id", "eos_token_id", "pad_token_id", ...}`` so a tiny model config can match.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from lmms_data._local_audio import AUDIO_FAMILIES, build_local_audio_processor
 
+    if family in AUDIO_FAMILIES:
+        return build_local_audio_processor(out_dir, family, vocab_size=vocab_size)
     if family not in _FAMILIES and family not in TEXT_FAMILIES:
-        known = sorted([*_FAMILIES, *TEXT_FAMILIES])
+        known = sorted([*_FAMILIES, *TEXT_FAMILIES, *AUDIO_FAMILIES])
         raise ValueError(f"unknown family {family!r}; known: {known}")
     os.makedirs(out_dir, exist_ok=True)
+    hf_tok = train_tokenizer(vocab_size, SPECIAL_TOKENS)
+    if family in TEXT_FAMILIES:
+        hf_tok.save_pretrained(out_dir)
+        return _write_info(out_dir, family, hf_tok, patch=None)
+    _save_vl(out_dir, family, hf_tok, min_pixels, max_pixels)
+    return _write_info(out_dir, family, hf_tok, patch=_FAMILIES[family][1])
+
+
+def train_tokenizer(
+    vocab_size: int, special_tokens: tuple[str, ...], chat_template: str = CHAT_TEMPLATE
+) -> Any:
+    """The tiny byte-level BPE tokenizer on the fixed corpus; ``special_tokens`` get the first
+    ids (``<|endoftext|>`` first: the pad token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -109,14 +125,10 @@ def build_local_processor(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        additional_special_tokens=list(special_tokens[1:]),
     )
-    hf_tok.chat_template = CHAT_TEMPLATE
-    if family in TEXT_FAMILIES:
-        hf_tok.save_pretrained(out_dir)
-        return _write_info(out_dir, family, hf_tok, patch=None)
-    _save_vl(out_dir, family, hf_tok, min_pixels, max_pixels)
-    return _write_info(out_dir, family, hf_tok, patch=_FAMILIES[family][1])
+    hf_tok.chat_template = chat_template
+    return hf_tok
 
 
 def _save_vl(out_dir: str, family: str, hf_tok: Any, min_pixels: int, max_pixels: int) -> None:

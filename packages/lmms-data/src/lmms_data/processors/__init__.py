@@ -1,5 +1,10 @@
 """Per-family processors (chat record -> sample); registered by name in ``PROCESSOR_REGISTRY``."""
 
+from lmms_data.processors._audio import (
+    AUDIO_TYPE_ID,
+    Qwen2AudioDataProcessor,
+    audio_output_lengths,
+)
 from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
 from lmms_data.processors._mrope import mrope_positions
 from lmms_data.processors._qwen_vl import (
@@ -11,12 +16,15 @@ from lmms_data.processors._qwen_vl import (
 from lmms_data.processors._text import TEXT_FAMILIES, QwenTextProcessor
 
 __all__ = [
+    "AUDIO_TYPE_ID",
     "IGNORE_INDEX",
     "TEXT_FAMILIES",
+    "Qwen2AudioDataProcessor",
     "Qwen2_5_VLDataProcessor",
     "Qwen3VLDataProcessor",
     "QwenTextProcessor",
     "QwenVLProcessor",
+    "audio_output_lengths",
     "mrope_positions",
     "smart_resize",
     "tokenize_chat",
