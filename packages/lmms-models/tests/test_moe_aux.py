@@ -1,4 +1,5 @@
-"""Qwen3-MoE router auxiliary loss in the packed forward == upstream ``Qwen3MoeForCausalLM``.
+"""MoE router auxiliary loss in the packed forward == upstream ``Qwen3MoeForCausalLM`` /
+``Qwen3VLMoeForConditionalGeneration`` (an image sample, deepstack included).
 
 Upstream adds ``router_aux_loss_coef · load_balancing_loss_func(...)`` to its loss when
 ``config.output_router_logits`` is True; the packed forward returns
@@ -26,32 +27,54 @@ COEF = 0.01
 SP_COEF = 1.0
 
 
-def _model(aux: bool, coef: float = COEF):
-    spec = get_model_spec("qwen3_moe")
+def _model(aux: bool, coef: float = COEF, name: str = "qwen3_moe"):
+    spec = get_model_spec(name)
     torch.manual_seed(0)
-    cfg = spec.tiny_config(output_router_logits=aux, router_aux_loss_coef=coef)
+    moe = dict(output_router_logits=aux, router_aux_loss_coef=coef)
+    cfg = spec.tiny_config(**({"text_config": moe} if spec.position_rows > 1 else moe))
     return spec, spec.build(config=cfg, attn_backend="sdpa")
+
+
+def _sample_spec(spec):
+    if spec.position_rows > 1:
+        return SampleSpec(text=9, prompt=3, images=[(1, 4, 4)])
+    return SampleSpec(text=14, prompt=3)
+
+
+def _media(spec, model, s):
+    out = {k: s[k] for k in ("pixel_values", "image_grid_thw") if k in s}
+    if out:
+        out["mm_token_type_ids"] = spec.mm_token_type_ids(model.config, s["input_ids"][None])
+    return out
 
 
 def _grads(model):
     return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def _upstream(model, input_ids, labels, attention_mask=None):
+def _upstream(model, input_ids, labels, attention_mask=None, **media):
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, use_cache=False)
+    out = model(
+        input_ids=input_ids,
+        labels=labels,
+        attention_mask=attention_mask,
+        use_cache=False,
+        **media,
+    )
     out.loss.backward()
     return out, _grads(model)
 
 
-def _packed(spec, model, batch):
+def _packed(spec, model, batch, experts="eager"):
     model.zero_grad(set_to_none=True)
     spec.set_attention(model, backend="varlen_sdpa")
+    spec.set_experts(model, experts)
     try:
         loss_sum, n = spec.packed_forward(model, batch)
         (loss_sum / n).backward()
     finally:
         spec.set_attention(model, backend="sdpa")
+        spec.set_experts(model, "eager")
     return loss_sum.detach(), n, _grads(model)
 
 
@@ -62,17 +85,27 @@ def _assert_grads(got, ref):
         torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("pad", [0, 5])
-def test_one_sample_matches_upstream_loss_with_aux(pad):
-    spec, model = _model(aux=True)
+@pytest.mark.parametrize(
+    ("name", "pad", "experts"),
+    [
+        ("qwen3_moe", 0, "eager"),
+        ("qwen3_moe", 5, "grouped"),
+        ("qwen3_vl_moe", 0, "grouped"),
+        ("qwen3_vl_moe", 5, "loop"),
+    ],
+)
+def test_one_sample_matches_upstream_loss_with_aux(name, pad, experts):
+    """Upstream's eager experts loop as the reference; the packed side on lmms' grouped GEMMs
+    or its plain-torch loop."""
+    spec, model = _model(aux=True, name=name)
     gen = torch.Generator().manual_seed(1)
-    s = make_sample(spec, model.config, SampleSpec(text=14, prompt=3), gen=gen)
-    ref, g_ref = _upstream(model, s["input_ids"][None], s["labels"][None])
+    s = make_sample(spec, model.config, _sample_spec(spec), gen=gen)
+    ref, g_ref = _upstream(model, s["input_ids"][None], s["labels"][None], **_media(spec, model, s))
     assert ref.aux_loss is not None and float(ref.aux_loss.detach()) > 0.5  # ~top_k when balanced
 
     n_tok = s["input_ids"].numel()
     batch = pack_samples(spec, model, [s], pad_to=n_tok + pad)  # tail padding is left out of aux
-    loss_sum, n, g = _packed(spec, model, batch)
+    loss_sum, n, g = _packed(spec, model, batch, experts)
     assert int(n) == batch["num_loss_tokens"] == int((s["labels"][1:] != IGNORE_INDEX).sum())
     torch.testing.assert_close(loss_sum / n, ref.loss.detach(), rtol=1e-5, atol=1e-6)
     _assert_grads(g, g_ref)
@@ -216,3 +249,47 @@ def test_sp2_aux_is_token_weighted_mean_of_slice_aux(tmp_path):
         assert float(r["sp_sum"] - r["lm_sum"]) > 1.0  # the aux term is there
         # ... and it is not the whole row's aux (what one process computes for the pack)
         assert abs(float(r["sp_sum"] - r["whole_row"])) > 1e-2
+
+
+def test_expert_load_meter_counts_routed_tokens_once():
+    """The meter's per-layer counts are the routers' top-k choices (recomputation under
+    activation checkpointing not counted twice); its aux is upstream's aux; its metrics show a
+    collapsed router."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lmms_models import ExpertLoadMeter
+
+    spec, model = _model(aux=True, name="qwen3_vl_moe")
+    gen = torch.Generator().manual_seed(1)
+    s = make_sample(spec, model.config, _sample_spec(spec), gen=gen)
+    ref, _ = _upstream(model, s["input_ids"][None], s["labels"][None], **_media(spec, model, s))
+    meter = ExpertLoadMeter(spec, model)
+    chosen = []
+    hooks = [
+        r.register_forward_hook(lambda _m, _a, o: chosen.append(o[-1].reshape(-1)))
+        for r in spec.router_modules(model)
+    ]
+    block = spec.decoder_blocks(model)[0]
+    plain_forward = block.forward
+    block.forward = lambda *a, **kw: checkpoint(plain_forward, *a, use_reentrant=False, **kw)
+    _packed(spec, model, pack_samples(spec, model, [s]), "grouped")
+    for h in hooks:
+        h.remove()
+    del block.forward
+    n_tok = s["input_ids"].numel()
+    assert len(chosen) == 4  # 3 layers + layer 0 recomputed in backward
+    values = meter.take(torch.device("cpu")).tolist()
+    counts = torch.tensor(values[2:]).reshape(3, 4)
+    for layer in range(3):
+        assert counts[layer].tolist() == torch.bincount(chosen[layer], minlength=4).tolist()
+    assert counts.sum(1).tolist() == [2.0 * n_tok] * 3  # top-2, dropless
+    metrics = meter.load_metrics(values)
+    torch.testing.assert_close(
+        metrics["moe/aux_loss"], float(ref.aux_loss.detach()), rtol=1e-5, atol=0
+    )
+    assert metrics["moe/load_max_over_mean"] >= 1.0
+    collapsed = meter.load_metrics([0.0, 0.0] + [8.0, 0.0, 0.0, 0.0] * 3)
+    assert collapsed["moe/load_max_over_mean"] == 4.0 and collapsed["moe/dead_experts"] == 0.75
+    assert "moe/aux_loss" not in collapsed
+    assert meter.take(torch.device("cpu")).sum() == 0  # reset
+    meter.remove()

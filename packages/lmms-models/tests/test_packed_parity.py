@@ -14,7 +14,7 @@ from lmms_models import get_model_spec, linear_patch_embed
 from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
 
 TEXT_FAMILIES = ["qwen2", "qwen2_5", "qwen3", "qwen3_moe"]
-VL_FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+VL_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 
 def _samples(spec):
@@ -121,6 +121,7 @@ def test_text_kwargs_do_not_reach_vision_tower():
 _HOST_CHECK = {
     "qwen2_5_vl": ("get_vision_window_index", "window_index"),
     "qwen3_vl": ("get_vision_interpolation_indices_and_weights", "interp_indices"),
+    "qwen3_vl_moe": ("get_vision_interpolation_indices_and_weights", "interp_indices"),
 }
 
 
@@ -246,14 +247,16 @@ def test_media_merged_at_host_positions(name, monkeypatch):
         return
     assert "index_copy" in names
     assert reached == {"get_placeholder_mask": 0, "deepstack_by_mask": 0}, reached
-    if name == "qwen3_vl":
+    if name.startswith("qwen3_vl"):
         assert "index_add" in names  # deepstack at host positions
     monkeypatch.setattr(spec, "host_merge", False)  # upstream's masked_scatter merge
     ref_loss, ref_grads, ref_names = step()
     assert "masked_scatter" in ref_names
     assert reached["get_placeholder_mask"] == 2  # images, videos
     assert reached["deepstack_by_mask"] == (
-        len(model.config.vision_config.deepstack_visual_indexes) if name == "qwen3_vl" else 0
+        len(model.config.vision_config.deepstack_visual_indexes)
+        if name.startswith("qwen3_vl")
+        else 0
     )
     assert torch.equal(loss, ref_loss)
     for k in ref_grads:

@@ -7,11 +7,12 @@ import torch
 
 from lmms_models import MODEL_REGISTRY, ModelSpec, get_model_spec, list_models, register_model
 
-FAMILIES = ["qwen2", "qwen2_5", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen3_vl"]
+FAMILIES = ["qwen2", "qwen2_5", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"]
+DIFFUSION_FAMILIES = ["sit"]  # flow matching: tests/test_diffusion_families.py
 
 
 def test_registry_lists_families_and_refuses_duplicates():
-    assert list_models() == FAMILIES
+    assert list_models() == sorted(FAMILIES + DIFFUSION_FAMILIES)
     with pytest.raises(ValueError, match="already registered"):
         register_model("qwen2")(type("Dup", (ModelSpec,), {}))
     with pytest.raises(KeyError, match=r"Did you mean 'qwen2_5_vl'.*Registered: qwen2, qwen2_5"):
@@ -80,7 +81,7 @@ def test_attention_switch_sets_both_towers():
     assert spec.vision_tower(model).config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_dummy_vision_inputs_run_the_tower(name):
     spec = get_model_spec(name)
     torch.manual_seed(0)

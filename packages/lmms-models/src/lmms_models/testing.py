@@ -57,7 +57,7 @@ def make_sample(
         merge2 = vc.spatial_merge_size**2
         per_patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         start, end = config.vision_start_token_id, config.vision_end_token_id
-        split_frames = spec.name == "qwen3_vl"
+        split_frames = spec.processor_family == "qwen3_vl"
         pix: list[torch.Tensor] = []
         for t, h, w in s.images:
             ids += (

@@ -21,7 +21,8 @@ packed sequences and reads the answer on the host (one synchronisation per forwa
 varlen attention ignores). :meth:`Qwen3MoeSpec.media_context` hands it an empty 4-D mask instead,
 which upstream takes as prepared and returns as-is (:data:`PREPARED_MASK_SHAPE`).
 
-Expert parallelism comes later (lmms-parallel plans).
+Router aux loss, fast experts (``set_experts``), the expert-parallel plan and the expert-load
+meter are shared with the other MoE families (:mod:`lmms_models._moe`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch import nn
 
 from ... import _flops
 from ..._attention import forward_pre_hook
+from ..._moe import MoESpecMixin
 from ..._registry import register_model
 from ..._spec import ModelSpec
 from ..qwen2 import tiny_text
@@ -67,8 +69,11 @@ def prepared_empty_mask(text_model: nn.Module) -> Iterator[None]:
 
 
 @register_model("qwen3_moe")
-class Qwen3MoeSpec(ModelSpec):
+class Qwen3MoeSpec(MoESpecMixin, ModelSpec):
+    """Router aux loss, experts implementation and EP plan: :class:`lmms_models.MoESpecMixin`."""
+
     processor_family = "qwen3"
+    aux_loss_module = "qwen3_moe"
     config_class = "Qwen3MoeConfig"
     model_class = "Qwen3MoeForCausalLM"
     #: No ``mask_mapping`` (see the module docstring): :func:`prepared_empty_mask` instead.
@@ -90,58 +95,6 @@ class Qwen3MoeSpec(ModelSpec):
             output_router_logits=False,
         )
         return tiny_text(**{**moe, **overrides})
-
-    @staticmethod
-    def _router_aux_enabled(model: nn.Module) -> bool:
-        return bool(getattr(model.config, "output_router_logits", False))
-
-    def extra_loss_inputs(self, model: nn.Module) -> dict[str, Any]:
-        """``output_router_logits=True`` for the base model when the config enables the aux loss."""
-        return {"output_router_logits": True} if self._router_aux_enabled(model) else {}
-
-    def extra_loss(
-        self, model: nn.Module, out: Any, batch: dict[str, Any], *, sp_group: Any = None
-    ) -> torch.Tensor | None:
-        """``router_aux_loss_coef · aux`` (fp32 scalar) from the row's router logits, or None.
-
-        ``aux`` is upstream's ``load_balancing_loss_func`` over the router logits of every MoE
-        layer, masked to the pack's real tokens (``cu_seqlens[num_samples]``; the tail padding
-        segment and, under SP, the SP padding are left out). Under SP the logits and the mask
-        are this rank's slice. ``packed_forward`` multiplies the term by the loss-token count.
-        """
-        if not self._router_aux_enabled(model):
-            return None
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
-
-        router_logits = getattr(out, "router_logits", None)  # tuple of [T(/sp), E] per MoE layer
-        if not router_logits:
-            return None  # no MoE layer (mlp_only_layers / decoder_sparse_step)
-        cfg = self.text_config(model.config)
-        dev = router_logits[0].device
-        n_tokens = batch["input_ids"].numel()
-        cu = batch["cu_seqlens"]
-        n_real = int(batch.get("num_samples", cu.numel() - 1))
-        real_end = cu[n_real]  # first padding position (T when there is none)
-        if real_end.device.type == "cpu":
-            real_end = int(real_end)  # no device sync either way
-        # Always a mask, even without padding: upstream's unmasked path in transformers 5.17
-        # counts with bincount (a host sync on GPU); the masked one uses scatter_add.
-        real = (torch.arange(n_tokens, device=dev) < real_end).long()  # [T]
-        if sp_group is not None:
-            from lmms_parallel import sp_shard_labels
-
-            real = sp_shard_labels(real, sp_group)  # [T_pad/sp]; the SP padding reads -100
-        mask = (real > 0).float().reshape(1, -1)  # [1, T(/sp)]
-        if mask.shape[1] != router_logits[0].shape[0]:
-            raise ValueError(
-                f"router logits cover {router_logits[0].shape[0]} tokens, the row's mask "
-                f"{mask.shape[1]}: is the SequenceParallel hook installed iff sp_group is given?"
-            )
-        aux = load_balancing_loss_func(
-            tuple(router_logits), cfg.num_experts, cfg.num_experts_per_tok, mask
-        )
-        coef = getattr(model, "router_aux_loss_coef", cfg.router_aux_loss_coef)
-        return coef * aux.float()
 
     def lm_matmul_params(self, config: Any) -> int:
         cfg = self.text_config(config)
