@@ -197,7 +197,12 @@ def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, An
         raise UserError(
             f"could not load the processor from {dcfg.processor_path!r}: {exc}"
         ) from exc
-    loader = build_dataloader(dcfg, processor, dp_rank=env.dp_rank, dp_world=env.dp_size)
+    try:
+        loader = build_dataloader(dcfg, processor, dp_rank=env.dp_rank, dp_world=env.dp_size)
+    except ValueError as exc:  # lmms_data.DataShapeError: a file or record shape it cannot read
+        if type(exc).__name__ != "DataShapeError":
+            raise
+        raise UserError(f"dataset_config.dataset_path: {exc}") from None
     eval_data = None
     d, t = cfg.dataset_config, cfg.trainer_args
     if d.eval_dataset_path is not None and t.eval_steps > 0:

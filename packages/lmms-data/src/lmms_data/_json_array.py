@@ -28,6 +28,12 @@ from typing import BinaryIO
 
 from lmms_data._errors import BadRecordError
 
+
+class DataShapeError(ValueError):
+    """A data file or its records have a shape no reader / ``dataset_type`` understands (raised at
+    start-up, in one line naming the accepted shapes)."""
+
+
 BLOCK = 1 << 20
 _DECODER = json.JSONDecoder()
 _WS = " \t\r\n"
@@ -90,7 +96,7 @@ class _Cursor:
 def sniff(path: str) -> str:
     """``json_array`` if the file's first non-blank character is ``[``, else ``jsonl``.
 
-    Raises ``ValueError`` (one line naming the accepted shapes) for a file that is neither.
+    Raises ``DataShapeError`` (a ``ValueError``; one line naming the accepted shapes) for a file that is neither.
     """
     with open(path, "rb") as f:
         cur = _Cursor(f, 0)
@@ -109,11 +115,11 @@ def sniff(path: str) -> str:
                 first = None
             if isinstance(first, dict):
                 return "jsonl"
-            raise ValueError(
+            raise DataShapeError(
                 f"{path}: holds one JSON object spread over several lines, not records; accepted: "
                 + ACCEPTED_FILES
             )
-    raise ValueError(
+    raise DataShapeError(
         f"{path}: starts with {c!r}, not a dataset file this reader knows; accepted: "
         + ACCEPTED_FILES
     )
@@ -124,7 +130,7 @@ def _open_array(cur: _Cursor, path: str) -> None:
     if cur.peek() and cur.buf.startswith(_BOM, cur.i):
         cur.i += len(_BOM)
     if cur.peek() != "[":
-        raise ValueError(f"{path}: not a JSON array; accepted: " + ACCEPTED_FILES)
+        raise DataShapeError(f"{path}: not a JSON array; accepted: " + ACCEPTED_FILES)
     cur.i += 1
 
 
@@ -206,4 +212,11 @@ def split_points(path: str, k: int) -> list[tuple[int, int]]:
     return out
 
 
-__all__ = ["ACCEPTED_FILES", "iter_array", "read_element", "sniff", "split_points"]
+__all__ = [
+    "ACCEPTED_FILES",
+    "DataShapeError",
+    "iter_array",
+    "read_element",
+    "sniff",
+    "split_points",
+]

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 from lmms_data._config import DatasetConfig
 from lmms_data._errors import BadRecordError
+from lmms_data._json_array import DataShapeError
 from lmms_data._readers import Unit, decode_raw, iter_unit
 from lmms_data._records import ACCEPTED_RECORDS
 from lmms_data._registry import DATASET_REGISTRY
-
-
-class DataShapeError(ValueError):
-    """The records of a source have a shape the configured ``dataset_type`` cannot read."""
 
 
 def check_shape(cfg: DatasetConfig, sources: list[list[Unit]]) -> None:

@@ -1,0 +1,598 @@
+"""Configs written for lmms-engine, rewritten as lmms-train configs (`lmms-train convert-config`).
+
+lmms-engine configs come in two shapes: `{trainer_type, dataset_config, model_config,
+trainer_args}` and the older list `[{type: trainer, config: {...}}]` whose trainer arguments sit
+flat in `config`. Their `trainer_args` are mostly HF `TrainingArguments` (often dumped whole, with
+every default). `convert(raw)` maps each key to its lmms-train home, or drops it with the reason,
+or reports a problem that names where the setting lives now; nothing is dropped silently and no
+unknown key passes. The key map is documented in docs/migrating-from-lmms-engine.md (a test checks
+that every key handled here appears there).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["Conversion", "convert", "looks_like_lmms_engine", "render"]
+
+DOC = "docs/migrating-from-lmms-engine.md"
+_SECTIONS = ("model_config", "dataset_config", "trainer_args")
+# keys whose presence marks an lmms-engine (or HF Trainer) config
+_ENGINE_MARKS = {
+    "trainer_args": {"per_device_train_batch_size", "num_train_epochs", "dataloader_num_workers",
+                     "gradient_checkpointing", "fsdp2", "fsdp_config", "freeze_modules",
+                     "use_muon", "optim", "ep_degree", "tp_degree"},
+    "dataset_config": {"processor_config", "datasets"},
+    "model_config": {"attn_implementation", "monkey_patch_kwargs", "overwrite_config"},
+}  # fmt: skip
+# trainer_args kept under the same name (lmms-train has the key with the same meaning)
+_SAME = ("output_dir", "run_name", "seed", "learning_rate", "weight_decay", "adam_beta1",
+         "adam_beta2", "adam_epsilon", "max_grad_norm", "warmup_ratio", "warmup_steps",
+         "save_total_limit", "logging_steps", "bf16", "use_liger_kernel", "use_rmpad",
+         "sp_ulysses_degree", "ep_degree", "tp_degree")  # fmt: skip
+# HF Trainer bookkeeping with no meaning in lmms-train: dropped whatever the value
+_HF_IGNORED = frozenset(
+    [
+        "overwrite_output_dir",
+        "do_train",
+        "do_eval",
+        "do_predict",
+        "prediction_loss_only",
+        "per_device_eval_batch_size",
+        "per_gpu_train_batch_size",
+        "per_gpu_eval_batch_size",
+        "eval_accumulation_steps",
+        "eval_delay",
+        "torch_empty_cache_steps",
+        "log_level",
+        "log_level_replica",
+        "log_on_each_node",
+        "logging_dir",
+        "logging_strategy",
+        "logging_first_step",
+        "logging_nan_inf_filter",
+        "save_strategy",
+        "save_safetensors",
+        "save_on_each_node",
+        "save_only_model",
+        "restore_callback_states_from_checkpoint",
+        "no_cuda",
+        "use_cpu",
+        "use_mps_device",
+        "jit_mode_eval",
+        "fp16_opt_level",
+        "half_precision_backend",
+        "bf16_full_eval",
+        "fp16_full_eval",
+        "tf32",
+        "local_rank",
+        "ddp_backend",
+        "tpu_num_cores",
+        "tpu_metrics_debug",
+        "debug",
+        "dataloader_drop_last",
+        "dataloader_pin_memory",
+        "dataloader_persistent_workers",
+        "dataloader_multiprocessing_context",
+        "dataloader_in_order",
+        "past_index",
+        "disable_tqdm",
+        "remove_unused_columns",
+        "label_names",
+        "load_best_model_at_end",
+        "metric_for_best_model",
+        "greater_is_better",
+        "ignore_data_skip",
+        "accelerator_config",
+        "length_column_name",
+        "project",
+        "trackio_space_id",
+        "trackio_bucket_id",
+        "trackio_static_space_id",
+        "ddp_find_unused_parameters",
+        "ddp_bucket_cap_mb",
+        "ddp_broadcast_buffers",
+        "ddp_static_graph",
+        "ddp_timeout",
+        "skip_memory_metrics",
+        "use_legacy_prediction_loop",
+        "hub_token",
+        "hub_model_id",
+        "hub_strategy",
+        "hub_private_repo",
+        "hub_always_push",
+        "hub_revision",
+        "push_to_hub_model_id",
+        "push_to_hub_organization",
+        "push_to_hub_token",
+        "mp_parameters",
+        "include_inputs_for_metrics",
+        "include_for_metrics",
+        "eval_do_concat_batches",
+        "fp16_backend",
+        "ray_scope",
+        "include_tokens_per_second",
+        "include_num_input_tokens_seen",
+        "batch_eval_metrics",
+        "eval_on_start",
+        "eval_use_gather_object",
+        "average_tokens_across_devices",
+        "per_device_eval_batch_size",
+        "use_cache",
+        "print_batch_input_steps",
+        "group_by_length",
+        "train_sampling_strategy",
+        "enable_jit_checkpoint",
+        "gradient_checkpointing_kwargs",
+        "activation_checkpointing_kwargs",
+        "liger_kernel_config",
+        "eval_strategy",
+        "full_determinism",
+        "fsdp_min_num_params",
+        "optim_target_modules",
+        "torchdynamo",
+        "xla",
+        "xla_fsdp_v2",
+        "xla_fsdp_grad_ckpt",
+    ]
+)
+# HF settings that change training: fine at their default, a problem otherwise (value -> home)
+_HF_DEFAULT_ONLY = {
+    "fp16": (False, "lmms-train computes in bf16 (trainer_args.bf16) with fp32 master weights"),
+    "deepspeed": (None, "lmms-train shards with FSDP2 (trainer_args.fsdp, dp_replicate)"),
+    "label_smoothing_factor": (0.0, "not supported: the loss is plain token cross-entropy"),
+    "neftune_noise_alpha": (None, "not supported"),
+    "adafactor": (False, "trainer_args.optimizer is adamw or muon"),
+    "optim_args": (None, "trainer_args.adam_beta1/adam_beta2/adam_epsilon, muon_momentum"),
+    "auto_find_batch_size": (False, "batches are packed rows of dataset_config.packing_length"),
+    "push_to_hub": (False, "trainer_args.export_hf writes output_dir/hf; upload that folder"),
+    "parallelism_config": (None, "trainer_args.sp_ulysses_degree, dp_replicate, ep_degree"),
+    "fsdp_transformer_layer_cls_to_wrap": (None, "lmms_models wraps every decoder/vision block"),
+    "torch_compile_backend": (None, "trainer_args.compile uses Inductor"),
+    "torch_compile_mode": (None, "trainer_args.compile uses Inductor's default mode"),
+    "object_storage": ("none", "lmms-train reads local or mounted files (dataset_path)"),
+    "bucket_name": (None, "lmms-train reads local or mounted files (dataset_path)"),
+    "data_seed": (None, "dataset_config.seed"),
+}
+_SCHEDULES = {"constant": "constant", "constant_with_warmup": "constant", "linear": "linear",
+              "cosine": "cosine", "cosine_with_min_lr": "cosine", "warmup_stable_decay": "wsd",
+              "wsd": "wsd"}  # fmt: skip
+_ATTENTION = {"flash_attention_2": "auto", "flash_attention_3": "auto", "sdpa": "sdpa",
+              "eager": "sdpa", "flex_attention": "flex"}  # fmt: skip
+_DATASET_TYPES = ("vision", "vision_iterable", "vision_audio", "vision_audio_iterable",
+                  "qwen3_vl_iterable", "qwen_omni_iterable", "qwen3_5_iterable", "multimodal",
+                  "chat")  # fmt: skip
+_FREEZE = {"visual": "vision_tower", "vision_tower": "vision_tower", "audio_tower": "audio_tower",
+           "embed_tokens": "embeddings", "lm_head": "lm_head"}  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class Conversion:
+    """The lmms-train config, what happened to each key, and what cannot be converted."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # "old -> new (meaning)" / "old: dropped (why)"
+    problems: list[str] = field(default_factory=list)  # one line each, naming the new home
+    dropped_hf: list[str] = field(default_factory=list)  # HF bookkeeping keys dropped
+
+
+def looks_like_lmms_engine(raw: Any) -> bool:
+    """True for lmms-engine's list form, `trainer_type`, or any lmms-engine-only section key."""
+    if isinstance(raw, list):
+        return any(isinstance(x, dict) and x.get("type") == "trainer" for x in raw)
+    if not isinstance(raw, dict):
+        return False
+    if "trainer_type" in raw:
+        return True
+    for section, marks in _ENGINE_MARKS.items():
+        sec = raw.get(section)
+        if isinstance(sec, dict) and (marks & set(sec) or sec.get("dataset_format") == "yaml"):
+            return True
+    return False
+
+
+def _sections(raw: Any) -> dict[str, Any]:
+    """The dict form, with the list form's flat trainer arguments moved into `trainer_args`."""
+    if isinstance(raw, list):
+        trainer = next(x for x in raw if isinstance(x, dict) and x.get("type") == "trainer")
+        cfg = dict(trainer.get("config") or {})
+        flat = {
+            k: cfg.pop(k)
+            for k in list(cfg)
+            if k not in (*_SECTIONS, "trainer_type", "extra_kwargs")
+        }
+        cfg["trainer_args"] = {**flat, **(cfg.get("trainer_args") or {})}
+        return cfg
+    return dict(raw)
+
+
+class _Converter:
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.out: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+        self.c = Conversion()
+
+    def set(self, dotted: str, value: Any, src: str | None = None, why: str = "") -> None:
+        section, *path = dotted.split(".")
+        node = self.out[section]
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+        if src is not None and src != dotted:
+            self.c.notes.append(f"{src} -> {dotted}: {value!r}" + (f" ({why})" if why else ""))
+
+    def drop(self, src: str, why: str) -> None:
+        self.c.notes.append(f"{src}: dropped ({why})")
+
+    def problem(self, src: str, value: Any, home: str) -> None:
+        self.c.problems.append(f"{src}: {value!r} cannot be converted: {home} (see {DOC})")
+
+    # ---- sections ----------------------------------------------------------------------------
+    def top(self, raw: dict[str, Any]) -> None:
+        for key, value in raw.items():
+            if key in _SECTIONS:
+                continue
+            if key == "trainer_type":
+                if value in ("fsdp2_trainer", "hf_trainer", None):
+                    self.drop(key, "lmms-train has one trainer: FSDP2 on several processes, "
+                                   "bf16 + fp32 master weights on one")  # fmt: skip
+                else:
+                    self.problem(key, value, "lmms-train trains next-token cross-entropy with "
+                                             "its one trainer; other objectives are not ported")  # fmt: skip
+            elif key == "extra_kwargs":
+                if value:
+                    self.problem(key, value, "custom options go to dataset_config.extra")
+            else:
+                self.unknown(key, value, "top level", ())
+
+    def unknown(self, src: str, value: Any, where: str, known: tuple[str, ...]) -> None:
+        close = difflib.get_close_matches(src.rsplit(".", 1)[-1], known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        self.c.problems.append(
+            f"{src}: unknown key at the {where} ({hint}neither lmms-engine's nor lmms-train's; "
+            f"see {DOC})"
+        )
+
+    def model(self, m: dict[str, Any]) -> None:
+        from lmms_train.config._schema import ModelConfig
+
+        for key, value in m.items():
+            src = f"model_config.{key}"
+            if key == "attn_implementation":
+                if value in _ATTENTION:
+                    self.set("trainer_args.attn_backend", _ATTENTION[value], src,
+                             "lmms_kernels' varlen attention; auto picks fa4, fa, then torch")  # fmt: skip
+                elif value is not None:
+                    self.problem(
+                        src,
+                        value,
+                        f"trainer_args.attn_backend, one of {sorted(set(_ATTENTION.values()))}",
+                    )
+            elif key == "load_from_config" and isinstance(value, dict):
+                self.set(
+                    "model_config.load_from_config",
+                    {k: v for k, v in value.items() if v is not None},
+                )
+            elif key == "overwrite_config":
+                if value:
+                    if isinstance(m.get("load_from_config"), dict):
+                        conf = self.out["model_config"].setdefault("load_from_config", {})
+                        conf.setdefault("config", {}).update(value)
+                        self.c.notes.append(f"{src} -> model_config.load_from_config.config")
+                    else:
+                        self.problem(src, value, "a pretrained checkpoint loads with its own "
+                                     "config.json: edit that file, or use load_from_config")  # fmt: skip
+            elif key == "monkey_patch_kwargs":
+                self.patches(src, value or {})
+            elif key == "extra_kwargs":
+                if value:
+                    self.problem(src, value, "no model options beyond model_config's keys")
+            elif key in ModelConfig.__dataclass_fields__:
+                self.set(f"model_config.{key}", value)
+            else:
+                self.unknown(src, value, "model_config", tuple(ModelConfig.__dataclass_fields__))
+
+    def patches(self, src: str, kw: dict[str, Any]) -> None:
+        for key, value in kw.items():
+            if key == "patch_type":
+                if "liger" in (value or []):
+                    self.set("trainer_args.use_liger_kernel", True, f"{src}.patch_type")
+            elif key == "use_rmpad":
+                self.set("trainer_args.use_rmpad", bool(value), f"{src}.use_rmpad")
+            else:  # rope / swiglu / rms_norm / cross_entropy / fused_linear_cross_entropy
+                self.drop(f"{src}.{key}", "lmms-train always uses a fused linear cross-entropy "
+                          "(trainer_args.loss_backend) and applies Liger's modules per family")  # fmt: skip
+
+    def dataset(self, d: dict[str, Any]) -> None:
+        from lmms_train.config._schema import DatasetConfig
+
+        known = tuple(DatasetConfig.__dataclass_fields__)
+        fmt = d.get("dataset_format")
+        for key, value in d.items():
+            src = f"dataset_config.{key}"
+            if key == "dataset_type":
+                if value in _DATASET_TYPES:
+                    self.set("dataset_config.dataset_type", "chat", src,
+                             "messages / LLaVA / ShareGPT records, detected per record")  # fmt: skip
+                else:
+                    self.problem(src, value, "register a record adapter with "
+                                 "@lmms_data.register_dataset and name it in dataset_type")  # fmt: skip
+            elif key == "dataset_format":
+                if value in ("yaml", "json", "jsonl", "arrow", "hf_dataset", "parquet", None):
+                    self.drop(src, "formats come from each file (.json arrays or JSON Lines, "
+                                   ".jsonl, .parquet, .arrow, save_to_disk folders)")  # fmt: skip
+                else:
+                    self.set("dataset_config.dataset_format", value)
+            elif key == "dataset_path":
+                if fmt == "yaml" and value:
+                    self.data_list(src, self.read_yaml_list(src, value))
+                elif value:
+                    self.set("dataset_config.dataset_path", value)
+            elif key == "datasets":
+                if value:
+                    self.data_list(src, value)
+            elif key == "processor_config":
+                self.processor(src, value or {})
+            elif key in ("fps",):
+                self.set("dataset_config.video_fps", value, src)
+            elif key == "video_sampling_strategy":
+                if value == "frame_num":
+                    self.set("dataset_config.video_max_frames", d.get("frame_num", 64), src,
+                             "frames sampled at video_fps, capped at this many")  # fmt: skip
+                else:
+                    self.drop(src, "videos are sampled at dataset_config.video_fps")
+            elif key == "frame_num":
+                if d.get("video_sampling_strategy") != "frame_num":
+                    self.drop(src, "used only with video_sampling_strategy: frame_num")
+            elif key == "video_backend":
+                self.drop(src, "videos are decoded with PyAV (lmms-data[video])")
+            elif key in ("filter_overlong", "filter_overlong_workers", "max_length"):
+                self.drop(src, "a sample longer than packing_length is a too_long bad record: "
+                               "skipped and counted while streaming, never truncated")  # fmt: skip
+            elif key in ("extra_kwargs", "tokenizer"):
+                if value:
+                    home = (
+                        "dataset_config.extra"
+                        if key == "extra_kwargs"
+                        else "model_config.processor_path"
+                    )
+                    self.set(home, value, src)
+            elif key in _HF_DEFAULT_ONLY:
+                self.default_only(src, key, value)
+            elif key in ("packing_strategy", "eval_dataset_path") and value is None:
+                continue
+            elif key in known:
+                self.set(f"dataset_config.{key}", value)
+            else:
+                self.unknown(src, value, "dataset_config", known)
+
+    def read_yaml_list(self, src: str, path: str) -> list[Any]:
+        p = Path(path)
+        if not p.is_file() and (self.base / p).is_file():
+            p = self.base / p
+        if not p.is_file():
+            self.problem(src, path, "the data list YAML does not exist")
+            return []
+        data = yaml.safe_load(p.read_text()) or {}
+        self.c.notes.append(f"{src}: read the data list {p}")
+        return data.get("datasets", []) if isinstance(data, dict) else data
+
+    def data_list(self, src: str, entries: list[Any]) -> None:
+        """`datasets: [{path | json_path, data_folder, data_type, sampling_strategy}]`."""
+        paths, folders = [], set()
+        for i, e in enumerate(entries):
+            where = f"{src}[{i}]"
+            if not isinstance(e, dict) or not (e.get("path") or e.get("json_path")):
+                self.problem(where, e, "each entry needs path (or json_path)")
+                continue
+            paths.append(str(e.get("path") or e.get("json_path")))
+            folders.add(e.get("data_folder") or "")
+            strategy = e.get("sampling_strategy", "all")
+            if strategy not in ("all", None):
+                self.problem(f"{where}.sampling_strategy", strategy, "lmms-train streams every "
+                             "record; weight sources with dataset_config.mixture_weights")  # fmt: skip
+            for k in set(e) - {
+                "path",
+                "json_path",
+                "data_folder",
+                "data_type",
+                "sampling_strategy",
+            }:
+                self.unknown(f"{where}.{k}", e[k], "data list entry", ("path", "data_folder"))
+        if paths:
+            self.set("dataset_config.dataset_path", paths if len(paths) > 1 else paths[0], src,
+                     "a list is a mixture (mixture_weights optional)")  # fmt: skip
+        if len(folders) > 1:
+            self.problem(f"{src}[*].data_folder", sorted(folders), "lmms-train has one "
+                         "dataset_config.data_folder; make media paths relative to one folder")  # fmt: skip
+        elif folders and next(iter(folders)):
+            self.set("dataset_config.data_folder", next(iter(folders)), f"{src}[*].data_folder")
+
+    def processor(self, src: str, p: dict[str, Any]) -> None:
+        for key, value in p.items():
+            if key == "processor_name":
+                self.set("model_config.processor_path", value, f"{src}.{key}")
+            elif key == "processor_type":
+                self.set("dataset_config.processor_family", value, f"{src}.{key}",
+                         "an lmms_data processor (default: the model family's)")  # fmt: skip
+            elif key in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels"):
+                self.set(f"dataset_config.{key}", value, f"{src}.{key}")
+            elif key in ("extra_kwargs",) and not value:
+                continue
+            else:
+                self.set(f"dataset_config.extra.{key}", value, f"{src}.{key}",
+                         "a keyword option of the lmms_data processor")  # fmt: skip
+
+    def default_only(self, src: str, key: str, value: Any) -> None:
+        default, home = _HF_DEFAULT_ONLY[key]
+        if value == default or (value in (None, [], {}, "", False) and not default):
+            return
+        if key == "data_seed":
+            self.set("dataset_config.seed", value, src)
+            return
+        self.problem(src, value, home)
+
+    def trainer(self, t: dict[str, Any]) -> None:
+        from lmms_train.config._schema import TrainerArgs
+
+        known = tuple(TrainerArgs.__dataclass_fields__)
+        max_steps = t.get("max_steps")
+        has_steps = isinstance(max_steps, int) and max_steps > 0
+        batch = t.get("per_device_train_batch_size") or 1
+        accum = t.get("gradient_accumulation_steps") or 1
+        for key, value in t.items():
+            src = f"trainer_args.{key}"
+            if key in _SAME:
+                if value is not None:
+                    self.set(f"trainer_args.{key}", value)
+            elif key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+                self.set("trainer_args.gradient_accumulation_steps", int(batch) * int(accum),
+                         src, "micro-batches per step = per_device_train_batch_size x "
+                         "gradient_accumulation_steps; each micro-batch is one packed row")  # fmt: skip
+            elif key == "max_steps":
+                if has_steps:
+                    self.set("trainer_args.max_steps", value)
+            elif key == "num_train_epochs":
+                if has_steps:
+                    self.drop(src, "max_steps is set and wins (as in HF); the data repeats")
+                else:
+                    self.set("dataset_config.num_epochs", int(value or 1), src)
+                    self.problem(src, value, "lmms-train runs for trainer_args.max_steps: set it "
+                                 "(lmms-train check-data prints records and tokens per record)")  # fmt: skip
+            elif key == "dataloader_num_workers":
+                self.set("dataset_config.num_workers", value, src)
+            elif key == "dataloader_prefetch_factor":
+                if value is not None:
+                    self.set("dataset_config.prefetch_factor", value, src)
+            elif key == "gradient_checkpointing":
+                mode = "full" if value else "none"
+                self.set("trainer_args.activation_checkpointing", mode, src)
+            elif key == "fsdp2":
+                self.drop(src, "FSDP2 is how lmms-train shards on several processes "
+                               "(trainer_args.fsdp: null); one process uses fp32 master weights")  # fmt: skip
+            elif key == "fsdp_config":
+                for k, v in (value or {}).items():
+                    if k == "reshard_after_forward":
+                        self.set("trainer_args.reshard_after_forward", bool(v), f"{src}.{k}")
+                    elif k == "cpu_offload" or k == "offload_params":
+                        self.set("trainer_args.fsdp_cpu_offload", bool(v), f"{src}.{k}")
+                    else:
+                        self.drop(f"{src}.{k}", "lmms_models wraps every decoder and vision block")
+            elif key == "fsdp":
+                if value not in (None, [], "", False):
+                    self.drop(src, "FSDP2 full sharding on several processes")
+            elif key == "lr_scheduler_type":
+                self.schedule(src, value, t.get("lr_scheduler_kwargs") or {})
+            elif key == "lr_scheduler_kwargs":
+                continue  # read with lr_scheduler_type
+            elif key == "report_to":
+                self.report(src, value)
+            elif key == "resume_from_checkpoint":
+                if value:
+                    self.set("trainer_args.resume_from", "latest" if value is True else value, src)
+            elif key == "freeze_modules":
+                if value:
+                    self.set("trainer_args.freeze", [_FREEZE.get(v, v) for v in value], src)
+            elif key == "use_muon":
+                if value:
+                    self.set("trainer_args.optimizer", "muon", src)
+            elif key == "optim":
+                if str(value).startswith("adamw") or value is None:
+                    if not t.get("use_muon"):
+                        self.set("trainer_args.optimizer", "adamw", src, "fused AdamW")
+                elif value == "muon":
+                    self.set("trainer_args.optimizer", "muon", src)
+                else:
+                    self.problem(src, value, "trainer_args.optimizer is adamw or muon")
+            elif key == "torch_compile":
+                self.set("trainer_args.compile", bool(value), src)
+            elif key in ("enable_profiler", "profiler_config"):
+                if key == "enable_profiler" and value:
+                    pc = t.get("profiler_config") or {}
+                    steps = [int(pc.get("start_step", 1)), int(pc.get("end_step", 3))]
+                    self.set("trainer_args.profile_steps", steps, src)
+            elif key == "eval_steps":
+                if value and t.get("eval_strategy") not in (None, "no"):
+                    self.set("trainer_args.eval_steps", value, src)
+            elif key == "save_steps":
+                if t.get("save_strategy", "steps") == "steps" and value:
+                    self.set("trainer_args.save_steps", int(value), src)
+            elif key in ("reduce_dtype", "output_dtype"):
+                self.drop(src, "lmms-train reduces gradients in fp32 and computes in bf16; the "
+                               "export dtype is trainer_args.export_dtype")  # fmt: skip
+            elif key in _HF_DEFAULT_ONLY:
+                self.default_only(src, key, value)
+            elif key in _HF_IGNORED:
+                self.c.dropped_hf.append(key)
+            elif key in known:
+                self.set(f"trainer_args.{key}", value)
+            else:
+                self.unknown(src, value, "trainer_args", known)
+
+    def schedule(self, src: str, value: Any, kwargs: dict[str, Any]) -> None:
+        if value not in _SCHEDULES:
+            self.problem(
+                src,
+                value,
+                f"trainer_args.lr_scheduler_type, one of {sorted(set(_SCHEDULES.values()))}",
+            )
+            return
+        self.set("trainer_args.lr_scheduler_type", _SCHEDULES[value], src)
+        for k, v in kwargs.items():
+            if k == "min_lr_rate":
+                self.set("trainer_args.min_lr_ratio", v, f"trainer_args.lr_scheduler_kwargs.{k}")
+            elif k in ("decay_ratio", "num_decay_ratio"):
+                self.set("trainer_args.wsd_decay_ratio", v, f"trainer_args.lr_scheduler_kwargs.{k}")
+            else:
+                self.problem(f"trainer_args.lr_scheduler_kwargs.{k}", v,
+                             "trainer_args.min_lr_ratio / wsd_decay_ratio / warmup_steps")  # fmt: skip
+
+    def report(self, src: str, value: Any) -> None:
+        sinks = [value] if isinstance(value, str) else list(value or [])
+        if sinks in (["none"], ["None"]):
+            sinks = []
+        if sinks == ["all"]:
+            sinks = ["wandb", "tensorboard"]
+        bad = [s for s in sinks if s not in ("wandb", "tensorboard", "console", "jsonl")]
+        if bad:
+            self.problem(src, bad, "trainer_args.report_to takes console, wandb, tensorboard "
+                         "(metrics.jsonl is always written)")  # fmt: skip
+        keep = ["console", *(s for s in sinks if s in ("wandb", "tensorboard"))]
+        self.set("trainer_args.report_to", keep, src)
+
+
+def convert(raw: Any, *, base: str | Path = ".") -> Conversion:
+    """Map an lmms-engine config (dict or list form) to an lmms-train config dict.
+
+    ``base``: the config's folder (external data-list YAMLs are also looked up there).
+    """
+    cv = _Converter(Path(base))
+    data = _sections(raw)
+    cv.top(data)
+    for section, handler in (("model_config", cv.model), ("dataset_config", cv.dataset),
+                             ("trainer_args", cv.trainer)):  # fmt: skip
+        value = data.get(section)
+        if isinstance(value, dict):
+            handler(value)
+        elif value is not None:
+            cv.c.problems.append(f"{section}: expected a mapping, got {type(value).__name__}")
+    if cv.c.dropped_hf:
+        cv.c.notes.append(
+            f"{len(cv.c.dropped_hf)} HF Trainer bookkeeping keys dropped (logging, hub, device "
+            "and eval-loop settings with no meaning in lmms-train)"
+        )
+    cv.c.config = {s: v for s, v in cv.out.items() if v}
+    return cv.c
+
+
+def render(conv: Conversion, source: str) -> str:
+    """The converted config as YAML, with the key map as a comment header."""
+    head = [f"# converted from the lmms-engine config {source} by `lmms-train convert-config`"]
+    head += [f"#   {n}" for n in conv.notes]
+    body = yaml.safe_dump(conv.config, sort_keys=False, default_flow_style=None)
+    return "\n".join(head) + "\n" + body
