@@ -1,3 +1,11 @@
 """One folder per model family; importing this package registers them all."""
 
-from . import qwen2, qwen2_5, qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe  # noqa: F401
+from . import (  # noqa: F401
+    qwen2,
+    qwen2_5,
+    qwen2_5_vl,
+    qwen3,
+    qwen3_moe,
+    qwen3_vl,
+    sit,
+)

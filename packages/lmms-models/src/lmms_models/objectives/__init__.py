@@ -16,10 +16,12 @@ from ._base import (
     register_objective,
 )
 from .causal_lm import CausalLM
+from .flow_matching import FlowMatching
 
 __all__ = [
     "OBJECTIVE_REGISTRY",
     "CausalLM",
+    "FlowMatching",
     "Objective",
     "ObjectiveContext",
     "ObjectiveOutput",

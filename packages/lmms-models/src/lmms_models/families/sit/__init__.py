@@ -1,0 +1,143 @@
+"""``sit``: class-conditional SiT/DiT on VAE latents (or pixels), trained with flow matching.
+
+Presets ``S/2 .. XL/8`` are the SiT paper's sizes (S: 384 x 12, B: 768 x 12, L: 1024 x 24,
+XL: 1152 x 28) at patch 2, 4 or 8 on 32 x 32 x 4 latents (256 px through the SD VAE). The model is
+:class:`SiT` (written here; see its module for why not diffusers' DiT class). Records are an image
+and a class label; latents come precomputed (``latents``) or are encoded on the fly from
+``pixel_values`` by a frozen VAE attached with :func:`lmms_models.attach_encoder` (``"vae"``: a
+diffusers ``AutoencoderKL``; its latent mean times ``scaling_factor``, deterministic). Without a
+VAE the ``pixel_values`` are the latents (pixel-space SiT: the tiny CPU example).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..._diffusion import DiffusionSpec, get_encoder
+from ..._registry import register_model
+from ._model import SiT, SiTBlock, SiTConfig, sincos_2d, timestep_features
+
+__all__ = ["SiT", "SiTBlock", "SiTConfig", "SiTSpec", "sincos_2d", "timestep_features"]
+
+_SIZES = {"S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16), "XL": (1152, 28, 16)}
+PRESETS = {
+    f"{size}/{p}": {"hidden_size": h, "depth": d, "num_heads": n, "patch_size": p}
+    for size, (h, d, n) in _SIZES.items()
+    for p in (2, 4, 8)
+}
+
+
+@register_model("sit")
+class SiTSpec(DiffusionSpec):
+    processor_family = "sit"
+    presets = PRESETS
+    objective_defaults = {"convention": "sit"}  # noqa: RUF012
+
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        conf = dict(
+            model_type="sit", input_size=8, patch_size=2, in_channels=3, hidden_size=64,
+            depth=2, num_heads=4, num_classes=4, learn_sigma=False,
+        )  # fmt: skip
+        conf.update(overrides)
+        return conf
+
+    def make_config(self, config: dict[str, Any]) -> SiTConfig:
+        conf = dict(config)
+        if conf.setdefault("model_type", "sit") != "sit":
+            raise ValueError(f"config says model_type={conf['model_type']!r}; sit builds 'sit'")
+        return SiTConfig(**conf)
+
+    def build(
+        self,
+        *,
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        **_: Any,
+    ) -> nn.Module:
+        """A :class:`SiT` from a config dict or a local folder (``config.json`` +
+        ``model.safetensors``, as written by the trainer's export)."""
+        if (config is None) == (pretrained is None):
+            raise ValueError("give exactly one of config= or pretrained=")
+        device = torch.device(device)
+        if pretrained is not None and device.type != "meta":
+            return SiT.from_pretrained(pretrained).to(device=device, dtype=dtype)
+        if pretrained is not None:
+            config = json.loads((Path(pretrained) / "config.json").read_text())
+        with torch.device(device):
+            model = SiT(self.make_config(config))  # type: ignore[arg-type]
+        return model.to(dtype)
+
+    # ---------------------------------------------------------------- objective hooks
+    def diffusion_inputs(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        dev = model.x_embedder.proj.weight.device
+        if "latents" in batch:
+            x1 = batch["latents"].to(dev, torch.float32)
+        else:
+            pixels = batch["pixel_values"].to(dev, torch.float32)  # [B, 3, H, W] in [-1, 1]
+            vae = get_encoder(model, "vae", dev)
+            x1 = pixels if vae is None else encode_latents(vae, pixels)
+        return x1, batch["class_labels"].to(dev, torch.int64)
+
+    def drop_condition(self, model: nn.Module, cond: Any, drop: torch.Tensor) -> Any:
+        return torch.where(drop, torch.full_like(cond, model.config.num_classes), cond)
+
+    def null_condition(self, model: nn.Module, batch_size: int, device: Any) -> Any:
+        return torch.full((batch_size,), model.config.num_classes, device=device)
+
+    def denoise(
+        self, model: nn.Module, x_t: torch.Tensor, timestep: torch.Tensor, cond: Any, *,
+        sp_group: Any = None,
+    ) -> torch.Tensor:  # fmt: skip
+        if sp_group is not None:
+            raise NotImplementedError(
+                "sit: sequence parallel is not supported (256 px images are 256 tokens at "
+                "patch 2: data parallelism covers them); set sp_ulysses_degree: 1"
+            )
+        out = model(x_t.to(model.x_embedder.proj.weight.dtype), timestep, cond)
+        return out[:, : x_t.shape[1]]  # learn_sigma checkpoints: the variance half is unused
+
+    def tokens_per_sample(self, config: Any, latent_shape: Sequence[int]) -> int:
+        p = config.patch_size
+        return (latent_shape[-2] // p) * (latent_shape[-1] // p)
+
+    # ---------------------------------------------------------------- engine hooks
+    def decoder_blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.blocks)
+
+    def lm_head(self, model: nn.Module) -> nn.Module:
+        return model.final_layer
+
+    def matmul_params(self, config: Any) -> int:
+        h, p, c = config.hidden_size, config.patch_size, config.in_channels
+        block = 4 * h * h + 4 * h + 2 * h * config.mlp_hidden + config.mlp_hidden + h
+        out = p * p * config.out_channels
+        return config.depth * block + (c * p * p * h + h) + (h * out + out)
+
+    def attention_shape(self, config: Any) -> tuple[int, int]:
+        return config.depth, config.hidden_size
+
+    def extra_flops(self, config: Any, seq_lens: Sequence[int]) -> float:
+        """The conditioning path runs once per sample: timestep MLP, adaLN of every block and
+        of the final layer."""
+        h = config.hidden_size
+        per_sample = 256 * h + h * h + config.depth * 6 * h * h + 2 * h * h
+        return 6.0 * per_sample * len(seq_lens)
+
+
+def encode_latents(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """Latents of ``pixels [B, 3, H, W]`` in [-1, 1] through a diffusers ``AutoencoderKL``: the
+    posterior mean (deterministic: a resumed run sees the same latents) times the VAE's
+    ``scaling_factor`` (SD VAE: 0.18215), shifted by ``shift_factor`` when it has one."""
+    with torch.no_grad():
+        dist = vae.encode(pixels.to(next(vae.parameters()).dtype)).latent_dist
+        z = dist.mean.float()
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    return (z - shift) * vae.config.scaling_factor
