@@ -210,14 +210,45 @@ class ModelSpec:
 
         head = self.lm_head(model)
         dev = head.weight.device
-        input_ids = batch["input_ids"].to(dev, non_blocking=True).reshape(1, -1)  # [1, T]
-        n_tokens = input_ids.shape[1]
         cu = batch["cu_seqlens"].to(dev, torch.int32, non_blocking=True)  # [n+1]
-        max_len = int(batch["max_seqlen"])
         if "shift_labels" in batch:
             shift = batch["shift_labels"].to(dev, non_blocking=True).reshape(-1)  # [T]
         else:
             shift = shift_labels_packed(batch["labels"].to(dev).reshape(-1), cu)
+        hidden, out = self.packed_hidden(model, batch)  # [T(/sp), H]
+        extra = self.extra_loss(model, out, batch, sp_group=sp_group)  # per-token term or None
+        if sp_group is None:
+            loss_sum, n = fused_linear_cross_entropy(
+                hidden, head.weight, shift, bias=head.bias, backend=loss_backend
+            )
+            return (loss_sum, n) if extra is None else (loss_sum + extra * n, n)
+        from lmms_parallel import sp_reduce_loss, sp_shard_labels
+
+        local = sp_shard_labels(shift, sp_group)  # [T_pad/sp], this rank's slice
+        loss_sum, n = fused_linear_cross_entropy(
+            hidden, head.weight, local, bias=head.bias, backend=loss_backend
+        )
+        if extra is not None:
+            loss_sum = loss_sum + extra * n
+        return sp_reduce_loss(loss_sum, n, sp_group)
+
+    def packed_hidden(
+        self, model: nn.Module, batch: dict[str, Any], *, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any]:
+        """The text decoder's last hidden states on one packed row, and the base model's output.
+
+        Returns ``(hidden [T, H] (this rank's [T_pad/sp, H] slice under Ulysses SP), out)``, in the
+        autocast dtype on CUDA. ``input_ids [T]`` replaces the batch's (a masked-diffusion
+        objective feeds its noised row); everything else (positions, media, ``cu_seqlens``) comes
+        from ``batch``. Objectives put their own loss on top (:mod:`lmms_models.objectives`).
+        """
+        head = self.lm_head(model)
+        dev = head.weight.device
+        ids = batch["input_ids"] if input_ids is None else input_ids
+        input_ids = ids.to(dev, non_blocking=True).reshape(1, -1)  # [1, T]
+        n_tokens = input_ids.shape[1]
+        cu = batch["cu_seqlens"].to(dev, torch.int32, non_blocking=True)  # [n+1]
+        max_len = int(batch["max_seqlen"])
         inputs: dict[str, Any] = {
             "input_ids": input_ids,
             "position_ids": self.pack_position_ids(batch, n_tokens, dev),
@@ -240,21 +271,7 @@ class ModelSpec:
         hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])  # [T(/sp), H]
         if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
             hidden = hidden.to(torch.get_autocast_dtype("cuda"))  # upstream norms return fp32
-        extra = self.extra_loss(model, out, batch, sp_group=sp_group)  # per-token term or None
-        if sp_group is None:
-            loss_sum, n = fused_linear_cross_entropy(
-                hidden, head.weight, shift, bias=head.bias, backend=loss_backend
-            )
-            return (loss_sum, n) if extra is None else (loss_sum + extra * n, n)
-        from lmms_parallel import sp_reduce_loss, sp_shard_labels
-
-        local = sp_shard_labels(shift, sp_group)  # [T_pad/sp], this rank's slice
-        loss_sum, n = fused_linear_cross_entropy(
-            hidden, head.weight, local, bias=head.bias, backend=loss_backend
-        )
-        if extra is not None:
-            loss_sum = loss_sum + extra * n
-        return sp_reduce_loss(loss_sum, n, sp_group)
+        return hidden, out
 
     def extra_loss_inputs(self, model: nn.Module) -> dict[str, Any]:
         """Extra keyword arguments for the base model call of :meth:`packed_forward` (none)."""

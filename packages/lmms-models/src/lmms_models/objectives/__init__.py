@@ -17,15 +17,25 @@ from ._base import (
 )
 from .causal_lm import CausalLM
 from .flow_matching import FlowMatching
+from .masked_diffusion import (
+    MaskedDiffusion,
+    MaskedDiffusionOptions,
+    draw_masks,
+    make_bidirectional,
+)
 
 __all__ = [
     "OBJECTIVE_REGISTRY",
     "CausalLM",
     "FlowMatching",
+    "MaskedDiffusion",
+    "MaskedDiffusionOptions",
     "Objective",
     "ObjectiveContext",
     "ObjectiveOutput",
+    "draw_masks",
     "get_objective",
     "list_objectives",
+    "make_bidirectional",
     "register_objective",
 ]
