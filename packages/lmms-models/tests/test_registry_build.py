@@ -7,7 +7,7 @@ import torch
 
 from lmms_models import MODEL_REGISTRY, ModelSpec, get_model_spec, list_models, register_model
 
-FAMILIES = ["qwen2", "qwen2_5", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen3_vl"]
+FAMILIES = ["qwen2", "qwen2_5", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"]
 DIFFUSION_FAMILIES = ["sit"]  # flow matching: tests/test_diffusion_families.py
 
 
@@ -81,7 +81,7 @@ def test_attention_switch_sets_both_towers():
     assert spec.vision_tower(model).config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_dummy_vision_inputs_run_the_tower(name):
     spec = get_model_spec(name)
     torch.manual_seed(0)

@@ -9,17 +9,21 @@ sequence parallel. Adding a family is one folder under ``families/`` (docs/addin
 from ._attention import UPSTREAM_BACKENDS, set_attention, text_attention_kwargs
 from ._diffusion import DiffusionSpec, attach_encoder, get_encoder
 from ._flops import attention_flops
+from ._moe import EXPERTS_EP_PLAN, ExpertLoadMeter, MoESpecMixin
 from ._patch_embed import PatchEmbedHandle, linear_patch_embed
 from ._registry import MODEL_REGISTRY, get_model_spec, list_models, register_model
 from ._spec import IGNORE_INDEX, ModelSpec, shift_labels_packed, to_device
 from ._vl import TINY_TOKEN_IDS, QwenVLSpec
 
 __all__ = [
+    "EXPERTS_EP_PLAN",
     "IGNORE_INDEX",
     "MODEL_REGISTRY",
     "TINY_TOKEN_IDS",
     "UPSTREAM_BACKENDS",
     "DiffusionSpec",
+    "ExpertLoadMeter",
+    "MoESpecMixin",
     "ModelSpec",
     "PatchEmbedHandle",
     "QwenVLSpec",

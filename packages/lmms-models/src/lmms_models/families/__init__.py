@@ -7,5 +7,6 @@ from . import (  # noqa: F401
     qwen3,
     qwen3_moe,
     qwen3_vl,
+    qwen3_vl_moe,
     sit,
 )
