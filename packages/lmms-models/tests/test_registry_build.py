@@ -9,10 +9,11 @@ from lmms_models import MODEL_REGISTRY, ModelSpec, get_model_spec, list_models, 
 
 FAMILIES = ["qwen2", "qwen2_5", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"]
 DIFFUSION_FAMILIES = ["sit"]  # flow matching: tests/test_diffusion_families.py
+AUDIO_FAMILIES = ["qwen2_audio"]  # audio towers: tests/test_audio_families.py
 
 
 def test_registry_lists_families_and_refuses_duplicates():
-    assert list_models() == sorted(FAMILIES + DIFFUSION_FAMILIES)
+    assert list_models() == sorted(FAMILIES + DIFFUSION_FAMILIES + AUDIO_FAMILIES)
     with pytest.raises(ValueError, match="already registered"):
         register_model("qwen2")(type("Dup", (ModelSpec,), {}))
     with pytest.raises(KeyError, match=r"Did you mean 'qwen2_5_vl'.*Registered: qwen2, qwen2_5"):

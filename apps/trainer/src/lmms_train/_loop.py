@@ -78,12 +78,7 @@ def _flops_fn(run: Run):
 
     def fn(batch: dict[str, Any], lens: list[int]) -> tuple[float, float]:
         lm = float(spec.lm_flops(conf, lens))
-        vis = 0.0
-        for key in ("image_grid_thw", "video_grid_thw"):
-            grid = batch.get(key)
-            if grid is not None and len(grid):
-                vis += float(spec.vision_flops(conf, grid))
-        return lm, vis
+        return lm, float(spec.media_flops(conf, batch))  # vision and audio towers
 
     return fn
 

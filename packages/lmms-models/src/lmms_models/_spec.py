@@ -403,5 +403,15 @@ class ModelSpec:
         """Training FLOPs of the vision tower for images/videos of ``grid_thw [n, 3]``."""
         return 0.0
 
+    def media_flops(self, config: Any, batch: dict[str, Any]) -> float:
+        """Training FLOPs of the media towers on a packed batch (what MFU adds to the LM's):
+        :meth:`vision_flops` of its image and video grids; audio families add their encoder."""
+        total = 0.0
+        for key in ("image_grid_thw", "video_grid_thw"):
+            grid = batch.get(key)
+            if grid is not None and len(grid):
+                total += float(self.vision_flops(config, grid))
+        return total
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

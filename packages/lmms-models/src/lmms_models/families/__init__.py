@@ -4,6 +4,7 @@ from . import (  # noqa: F401
     qwen2,
     qwen2_5,
     qwen2_5_vl,
+    qwen2_audio,
     qwen3,
     qwen3_moe,
     qwen3_vl,

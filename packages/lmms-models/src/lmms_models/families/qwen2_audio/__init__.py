@@ -1,0 +1,156 @@
+"""Qwen2-Audio (``Qwen2AudioForConditionalGeneration``): a Whisper-large-style audio encoder
+(two convolutions, 32 pre-LN blocks, stride-2 pooling: 25 tokens per second), a linear projector
+and a Qwen2 decoder. The packed forward runs the encoder on varlen clips (no 30 s padding, see
+:mod:`lmms_models._audio`) and places the projected features at the host-known ``<|AUDIO|>``
+positions; the decoder is upstream's, on the pack's segments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import _flops
+from ..._audio import dummy_audio_inputs, merge_audio, varlen_audio_forward, whisper_encoder_flops
+from ..._registry import register_model
+from ..._spec import ModelSpec
+
+__all__ = ["QWEN2_AUDIO_7B", "AudioLMSpec", "Qwen2AudioSpec"]
+
+# Published Qwen2-Audio-7B(-Instruct) config values (random weights are used for benchmarks).
+QWEN2_AUDIO_7B: dict[str, Any] = {
+    "audio_config": {
+        "d_model": 1280,
+        "encoder_layers": 32,
+        "encoder_attention_heads": 20,
+        "encoder_ffn_dim": 5120,
+        "num_mel_bins": 128,
+        "max_source_positions": 1500,
+    },
+    "text_config": {
+        "model_type": "qwen2",
+        "vocab_size": 156032,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "use_cache": False,
+    },
+    "audio_token_id": 151646,
+}
+
+_TINY: dict[str, Any] = {
+    "audio_config": {
+        "d_model": 32,
+        "encoder_layers": 2,
+        "encoder_attention_heads": 2,
+        "encoder_ffn_dim": 64,
+        "num_mel_bins": 128,
+        "max_source_positions": 1500,
+    },
+    "text_config": {
+        "model_type": "qwen2",
+        "vocab_size": 1024,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "bos_token_id": 1004,
+        "eos_token_id": 1005,
+    },
+    "audio_token_id": 1006,
+}
+
+_AUDIO_KEYS = ("input_features", "audio_feature_lens", "audio_frames", "mm_token_type_ids")
+
+
+class AudioLMSpec(ModelSpec):
+    """An audio encoder + projector in front of a text decoder (Qwen2-Audio, Aero).
+
+    The audio tower plays the part of the vision tower for lmms-parallel and the trainer: FSDP2
+    per encoder block, activation checkpointing (``vision_activation_checkpointing``), freezing
+    (``freeze: [vision_tower]``) and the dummy input that keeps a rank without audio in step.
+    """
+
+    media_keys = _AUDIO_KEYS
+    host_keys = ("audio_feature_lens", "audio_frames", "mm_token_type_ids")
+
+    def audio_tower(self, model: nn.Module) -> nn.Module:
+        return self.base_model(model).audio_tower
+
+    def projector(self, model: nn.Module) -> nn.Module:
+        return self.base_model(model).multi_modal_projector
+
+    def vision_tower(self, model: nn.Module) -> nn.Module | None:
+        return self.audio_tower(model)
+
+    def vision_blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(self.audio_tower(model).layers)
+
+    def dummy_vision_inputs(self, model: nn.Module, device: torch.device) -> dict[str, Any]:
+        return dummy_audio_inputs(self.audio_tower(model), device)
+
+    def media_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return varlen_audio_forward(self.audio_tower(model))
+
+    def merge_media(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Run the (varlen) audio tower and the projector, place the features at the audio
+        placeholders; the base model then gets ``inputs_embeds`` only."""
+        rest = {k: v for k, v in inputs.items() if k not in _AUDIO_KEYS}
+        feats = inputs.get("input_features")
+        if feats is None:
+            return rest
+        tower = self.audio_tower(model)
+        impl = getattr(tower.config, "_attn_implementation", "")
+        if impl in ("eager", "sdpa"):
+            raise NotImplementedError(
+                f"the packed audio encoder needs an lmms varlen attention backend (its clips are "
+                f"concatenated), not {impl!r}: set vision_attn_backend to a varlen backend"
+            )
+        embeds = self.base_model(model).get_input_embeddings()(rest.pop("input_ids"))  # [1, T, H]
+        audio = tower(
+            input_features=feats,
+            feature_lens=inputs["audio_feature_lens"],
+            audio_frames=inputs["audio_frames"],
+        )  # [N, D]
+        audio = self.projector(model)(audio)  # [N, H]
+        types = inputs["mm_token_type_ids"]
+        return {**rest, "inputs_embeds": merge_audio(embeds, types.cpu(), audio)}
+
+    def media_flops(self, config: Any, batch: dict[str, Any]) -> float:
+        lens = batch.get("audio_feature_lens")
+        if lens is None or not len(lens):
+            return 0.0
+        hidden = _flops._get(self.text_config(config), "hidden_size")
+        return whisper_encoder_flops(config.audio_config, lens, out_hidden=hidden)
+
+
+@register_model("qwen2_audio")
+class Qwen2AudioSpec(AudioLMSpec):
+    processor_family = "qwen2_audio"
+    config_class = "Qwen2AudioConfig"
+    model_class = "Qwen2AudioForConditionalGeneration"
+    mask_mapping = True  # its Qwen2 decoder: `isinstance(attention_mask, dict)` branch
+    presets = {"7b": QWEN2_AUDIO_7B}  # noqa: RUF012
+
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        base = copy.deepcopy(_TINY)
+        for key, value in overrides.items():
+            if key in ("audio_config", "text_config") and isinstance(value, dict):
+                base[key] = {**base[key], **value}
+            else:
+                base[key] = value
+        return base
