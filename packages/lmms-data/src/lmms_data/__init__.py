@@ -21,6 +21,7 @@ from lmms_data._audio import AudioOptions, decode_audio, load_audio_clips
 from lmms_data._collate import MEDIA_KEYS, collate_packed_batch
 from lmms_data._config import DatasetConfig
 from lmms_data._errors import BAD_REASONS, BadRecordError, BadRecordRatioExceeded, BadRecordStats
+from lmms_data._latent import LatentLoader, build_latent_loader
 from lmms_data._loader import PackedLoader, build_dataloader, build_dataset, build_processor
 from lmms_data._local_processor import SPECIAL_TOKENS, build_local_processor
 from lmms_data._readers import Unit, discover_units, iter_unit
@@ -36,6 +37,7 @@ from lmms_data._registry import (
 from lmms_data._stream import SlotStream
 from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
 from lmms_data._synthetic_audio import generate_synthetic_audio
+from lmms_data._synthetic_diffusion import generate_synthetic_clips, generate_synthetic_shapes
 from lmms_data.processors import (
     AUDIO_TYPE_ID,
     IGNORE_INDEX,
@@ -62,6 +64,7 @@ __all__ = [
     "BadRecordRatioExceeded",
     "BadRecordStats",
     "DatasetConfig",
+    "LatentLoader",
     "PackedLoader",
     "Qwen2AudioDataProcessor",
     "QwenTextProcessor",
@@ -72,6 +75,7 @@ __all__ = [
     "__version__",
     "build_dataloader",
     "build_dataset",
+    "build_latent_loader",
     "build_local_processor",
     "build_processor",
     "check_keys",
@@ -79,6 +83,8 @@ __all__ = [
     "decode_audio",
     "discover_units",
     "generate_synthetic_audio",
+    "generate_synthetic_clips",
+    "generate_synthetic_shapes",
     "generate_synthetic_text",
     "generate_synthetic_vl",
     "iter_unit",

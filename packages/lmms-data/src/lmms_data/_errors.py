@@ -16,6 +16,8 @@ BAD_REASONS = (
     "missing_media",  # media file does not exist (or escapes data_folder)
     "bad_image",  # unreadable / corrupt image
     "bad_video",  # unreadable / corrupt video
+    "too_few_frames",  # a clip shorter than the smallest frame bucket (diffusion data)
+    "bad_aspect",  # an image/clip far from every resolution bucket's aspect (diffusion data)
     "bad_audio",  # unreadable / corrupt audio
     "unsupported_media",  # a media kind the processor cannot handle
     "media_mismatch",  # placeholder count != media count
