@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from test_packed_parity import VL_FAMILIES, tiny_pack
+from test_packed_parity import MEDIA_FAMILIES, tiny_pack
 
 import lmms_parallel as lp
 
 #: (family, scenario name, spec attributes set for the run)
 SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
-    *[(name, "host_merge", {}) for name in VL_FAMILIES],
+    *[(name, "host_merge", {}) for name in MEDIA_FAMILIES],
     ("qwen3_vl", "upstream_merge", {"host_merge": False}),  # deepstack as upstream's bool mask
 ]
 

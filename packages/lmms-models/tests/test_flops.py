@@ -84,3 +84,27 @@ def test_preset_3b_is_the_published_shape():
     assert 0.66e9 < n_vit < 0.68e9
     with pytest.raises(KeyError, match="presets: 3b"):
         spec.preset("7b")
+
+
+def test_llava_onevision_params_match_module():
+    spec = get_model_spec("llava_onevision")
+    model = spec.build(config=spec.tiny_config(), device="meta")
+    base = spec.base_model(model)
+    lm = _params(model, skip=("embed_tokens", "vision_tower", "multi_modal_projector", "newline"))
+    assert spec.lm_matmul_params(model.config) == lm
+    p = spec.vision_matmul_params(model.config)
+    tower = _params(spec.vision_tower(model), skip=("position_embedding",))
+    assert p["per_patch"] == tower
+    assert p["per_token"] == _params(base.multi_modal_projector)
+    # 3 tiles of 4x4 patches: 6N per patch and projected token, full attention per tile per layer
+    expected = 6 * 3 * 16 * (p["per_patch"] + p["per_token"]) + 12 * 32 * 2 * 3 * 16**2
+    assert spec.vision_flops(model.config, 3) == pytest.approx(expected)
+    batch = {
+        "pixel_values": torch.zeros(2, 3, 32, 32),
+        "pixel_values_videos": torch.zeros(1, 3, 32, 32),
+    }
+    assert spec.pack_vision_flops(model.config, batch) == pytest.approx(expected)
+    for name, (lo, hi) in {"0.5b": (0.48e9, 0.50e9), "7b": (7.0e9, 7.7e9)}.items():
+        big = spec.build(config=spec.preset(name), device="meta")
+        assert lo < spec.lm_matmul_params(big.config) < hi, name
+        assert 0.39e9 < _params(spec.vision_tower(big)) < 0.41e9  # SigLIP-so400m, 26 layers

@@ -7,7 +7,7 @@ import torch
 
 from lmms_models import MODEL_REGISTRY, ModelSpec, get_model_spec, list_models, register_model
 
-FAMILIES = ["qwen2", "qwen2_5", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"]
+FAMILIES = ["llava_onevision", "qwen2", "qwen2_5", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"]
 DIFFUSION_FAMILIES = ["sit"]  # flow matching: tests/test_diffusion_families.py
 AUDIO_FAMILIES = ["qwen2_audio"]  # audio towers: tests/test_audio_families.py
 
@@ -31,9 +31,11 @@ def test_build_meta_and_hooks(name):
     assert spec.sp_slice_module(model) is spec.text_model(model)
     assert spec.embeddings(model)[0] is spec.text_model(model).embed_tokens
     assert spec.lm_head(model) is model.lm_head
-    vl = spec.position_rows > 1
+    vl = "pixel_values" in spec.media_keys
     assert (spec.vision_tower(model) is not None) == vl
-    assert len(spec.vision_blocks(model)) == (model.config.vision_config.depth if vl else 0)
+    vc = getattr(model.config, "vision_config", None)
+    depth = (getattr(vc, "depth", None) or vc.num_hidden_layers) if vl else 0  # Qwen-VL / SigLIP
+    assert len(spec.vision_blocks(model)) == depth
     assert len(spec.block_classes(model)) == (2 if vl else 1)
     assert spec.processor_family
 

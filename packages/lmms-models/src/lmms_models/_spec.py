@@ -403,6 +403,16 @@ class ModelSpec:
         """Training FLOPs of the vision tower for images/videos of ``grid_thw [n, 3]``."""
         return 0.0
 
+    def pack_vision_flops(self, config: Any, batch: dict[str, Any]) -> float:
+        """Vision FLOPs of a packed batch (default: :meth:`vision_flops` of its image and video
+        grids; a family whose media carry no grid, e.g. LLaVA-OneVision's tiles, overrides)."""
+        total = 0.0
+        for key in ("image_grid_thw", "video_grid_thw"):
+            grid = batch.get(key)
+            if grid is not None and len(grid):
+                total += float(self.vision_flops(config, grid))
+        return total
+
     def media_flops(self, config: Any, batch: dict[str, Any]) -> float:
         """Training FLOPs of the media towers on a packed batch (what MFU adds to the LM's):
         :meth:`vision_flops` of its image and video grids; audio families add their encoder."""

@@ -48,6 +48,9 @@ def make_sample(
     Media blocks are ``<vision_start> <pad>*n <vision_end>``; Qwen3-VL videos get one such block
     per temporal patch (its processor separates frames with timestamps), Qwen2.5-VL one per video.
     """
+    own = getattr(spec, "make_test_sample", None)  # a family whose media are not Qwen grids
+    if own is not None:
+        return own(config, s, gen=gen)
     text_cfg = spec.text_config(config)
     ids: list[int] = []
     out: dict[str, Any] = {}
@@ -113,8 +116,8 @@ def pack_samples(
         grids = {k: s.get(k) for k in ("image_grid_thw", "video_grid_thw")}
         pos.append(spec.sample_position_ids(model, s["input_ids"], **grids))
         lens.append(n)
-        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-            if key in s:
+        for key in spec.media_keys:
+            if key in s and key != "mm_token_type_ids":
                 media.setdefault(key, []).append(s[key])
     n_real = len(lens)
     pad = pad_to - sum(lens)
@@ -137,8 +140,8 @@ def pack_samples(
     }
     batch["num_loss_tokens"] = int((batch["shift_labels"] != IGNORE_INDEX).sum())
     batch.update({k: torch.cat(v) for k, v in media.items()})
-    if spec.position_rows > 1:
-        batch["mm_token_type_ids"] = spec.mm_token_type_ids(model.config, batch["input_ids"])  # type: ignore[attr-defined]
+    if hasattr(spec, "mm_token_type_ids"):
+        batch["mm_token_type_ids"] = spec.mm_token_type_ids(model.config, batch["input_ids"])
     return batch
 
 
@@ -161,10 +164,13 @@ def reference_loss_sum(
             "labels": s["labels"][None],
             "use_cache": False,
         }
+        own = getattr(spec, "reference_media", None)  # the upstream call's media arguments
         for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-            if key in s:
+            if key in s and own is None:
                 kwargs[key] = s[key]
-        if spec.position_rows > 1:
+        if own is not None:
+            kwargs.update(own(s))
+        elif spec.position_rows > 1:
             kwargs["mm_token_type_ids"] = spec.mm_token_type_ids(model.config, kwargs["input_ids"])  # type: ignore[attr-defined]
         out = model(**kwargs)
         total = total + out.loss.float() * n
