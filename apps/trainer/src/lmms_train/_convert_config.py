@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["Conversion", "convert", "looks_like_lmms_engine", "render"]
+__all__ = ["Conversion", "accept_engine", "convert", "looks_like_lmms_engine", "render"]
 
 DOC = "docs/migrating-from-lmms-engine.md"
 _SECTIONS = ("model_config", "dataset_config", "trainer_args")
@@ -596,3 +596,28 @@ def render(conv: Conversion, source: str) -> str:
     head += [f"#   {n}" for n in conv.notes]
     body = yaml.safe_dump(conv.config, sort_keys=False, default_flow_style=None)
     return "\n".join(head) + "\n" + body
+
+
+def accept_engine(raw: Any, path: str | Path) -> Any:
+    """`raw` unchanged unless it is an lmms-engine config: then its conversion (a one-line notice
+    on stderr from rank 0), or `ConfigError` naming the first key that cannot be converted."""
+    if not looks_like_lmms_engine(raw):
+        return raw
+    import os
+    import sys
+
+    from lmms_train._errors import ConfigError
+
+    conv = convert(raw, base=Path(path).parent)
+    if conv.problems:
+        more = len(conv.problems) - 1
+        tail = f" (and {more} more: `lmms-train convert-config {path}` lists them)" if more else ""
+        raise ConfigError(f"{path} (an lmms-engine config): {conv.problems[0]}{tail}")
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"lmms-train: {path} is an lmms-engine config: read with {len(conv.notes)} keys mapped "
+            f"or dropped (`lmms-train convert-config {path}` shows the key map)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return conv.config

@@ -4,6 +4,9 @@
     torchrun --nproc_per_node=N -m lmms_train CONFIG.yaml [...]
     lmms-train plot RUN_DIR [--out FILE.png]            loss / MFU / throughput curves
     lmms-train docs                                     print the config reference (docs/config.md)
+    lmms-train check-data CONFIG.yaml [--num-records N] the data path over N records: speed, tokens, media, bad records, a sample
+    lmms-train convert-config ENGINE.yaml [-o OUT.yaml] rewrite an lmms-engine config (docs/migrating-from-lmms-engine.md)
+    lmms-train --version                                versions of lmms packages, torch, transformers
 
 Problems with the user's input end with one line on stderr and exit code 2; set
 `LMMS_TRAIN_DEBUG=1` to see the traceback.
@@ -68,6 +71,10 @@ def _run(argv: list[str]) -> int:
 
         sys.stdout.write(render_config_docs())
         return 0
+    from lmms_train._subcommands import SUBCOMMANDS
+
+    if argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     config_path, overrides = _split_args(argv)
     from lmms_train.config import load_config
 

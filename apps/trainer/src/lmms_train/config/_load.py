@@ -31,6 +31,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"malformed YAML in {path}: {_one_line(exc)}") from None
+    from lmms_train._convert_config import accept_engine
+
+    raw = accept_engine(raw, path)  # lmms-engine configs: docs/migrating-from-lmms-engine.md
     if not isinstance(raw, dict):
         raise ConfigError(
             f"{path}: the top level must be a mapping with sections, got {type(raw).__name__}"

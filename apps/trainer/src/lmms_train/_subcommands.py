@@ -1,0 +1,94 @@
+"""`lmms-train check-data`, `convert-config` and `--version` (registered in `cli.py`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from lmms_train._errors import ConfigError, UserError
+
+__all__ = ["SUBCOMMANDS", "check_data_main", "convert_config_main", "version_main"]
+
+CHECK_USAGE = "usage: lmms-train check-data CONFIG.yaml [section.key=value ...] [--num-records N]"
+CONVERT_USAGE = "usage: lmms-train convert-config ENGINE_CONFIG.yaml [-o OUT.yaml]"
+
+
+def _option(args: list[str], name: str, usage: str) -> tuple[list[str], str | None]:
+    if name not in args:
+        return args, None
+    i = args.index(name)
+    if i + 1 >= len(args):
+        raise UserError(usage)
+    return args[:i] + args[i + 2 :], args[i + 1]
+
+
+def check_data_main(args: list[str]) -> int:
+    """Process the first N records of CONFIG's data and print the report (exit 0)."""
+    from lmms_train._check_data import check_data
+    from lmms_train.config import load_config
+
+    args, n = _option(args, "--num-records", CHECK_USAGE)
+    if not args or "=" in args[0]:
+        raise UserError(CHECK_USAGE)
+    try:
+        num = int(n) if n is not None else 200
+    except ValueError:
+        raise UserError(f"--num-records: expected an integer, got {n!r}") from None
+    cfg = load_config(args[0], args[1:])
+    print(check_data(cfg, num).text(), flush=True)
+    return 0
+
+
+def convert_config_main(args: list[str]) -> int:
+    """Print (or write with -o) the lmms-train version of an lmms-engine config; exit 2 with one
+    line per key that cannot be converted."""
+    from lmms_train._convert_config import convert, render
+
+    args, out = _option(args, "-o", CONVERT_USAGE)
+    if len(args) != 1:
+        raise UserError(CONVERT_USAGE)
+    path = Path(args[0])
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"malformed YAML in {path}: {' '.join(str(exc).split())}") from None
+    conv = convert(raw, base=path.parent)
+    if conv.problems:
+        raise ConfigError("\n".join(conv.problems))
+    text = render(conv, str(path))
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        Path(out).write_text(text)
+        print(
+            f"lmms-train: wrote {out} ({len(conv.notes)} keys mapped or dropped)", file=sys.stderr
+        )
+    return 0
+
+
+def version_main(args: list[str]) -> int:
+    """`lmms-train --version`: this app's version and those it runs with."""
+    from importlib import metadata
+
+    names = ("lmms-train", "lmms-data", "lmms-models", "lmms-parallel", "lmms-kernels",
+             "lmms-optim", "lmms-pack", "torch", "transformers")  # fmt: skip
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            continue
+    print(", ".join(found))
+    return 0
+
+
+SUBCOMMANDS = {
+    "check-data": check_data_main,
+    "convert-config": convert_config_main,
+    "--version": version_main,
+    "-V": version_main,
+}

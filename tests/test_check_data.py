@@ -1,0 +1,100 @@
+"""`lmms-train check-data` measures a run's data without its model; `convert-config` rewrites an
+lmms-engine config; an lmms-engine config given to `lmms-train` directly is read the same way."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import yaml
+from e2e_helpers import tiny_config, write_config
+from PIL import Image
+
+from lmms_train._check_data import check_data
+from lmms_train._subcommands import check_data_main, convert_config_main
+from lmms_train.config import config_from_dict
+
+
+@pytest.fixture
+def llava_dir(tmp_path):
+    buf = io.BytesIO()
+    Image.fromarray(np.full((56, 56, 3), 120, np.uint8)).save(buf, format="PNG")
+    (tmp_path / "a.png").write_bytes(buf.getvalue())
+
+    def rec(img: str, answer: str = "A grey square.") -> dict:
+        return {"image": img, "conversations": [
+            {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": answer}]}  # fmt: skip
+
+    recs = [rec("a.png") for _ in range(6)]
+    recs[2] = rec("missing.png")
+    recs[4] = rec("a.png", "grey " * 300)  # longer than packing_length
+    (tmp_path / "llava.json").write_text(json.dumps(recs, indent=2))
+    return tmp_path
+
+
+def test_check_data_reports_what_a_user_needs(tiny_inputs, llava_dir, tmp_path, capsys):
+    cfg = tiny_config(tiny_inputs, tmp_path / "run")
+    cfg["dataset_config"].update(dataset_path=str(llava_dir / "llava.json"), eval_dataset_path=None)
+    r = check_data(config_from_dict(cfg), num_records=5)
+    assert r.seen == 5 and r.good == 3  # the 6th record is not read
+    assert r.bad == {"missing_media": 1, "too_long": 1}
+    assert "missing.png" in r.examples["missing_media"]
+    assert "> packing_length 384" in r.examples["too_long"]
+    assert r.media["image"] == 3 and len(set(r.lengths)) == 1 and min(r.media_tokens) > 0
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_inputs["processor"])
+    assert r.supervised[0] == len(tok("A grey square.<|im_end|>")["input_ids"])
+    assert "<|image_pad|>x" in r.sample and "[[A grey square.<|im_end|>]]" in r.sample
+    text = r.text()
+    for needle in ("records/s", "3 good, 2 bad", "median", "supervised", "image 3 (1.00/record)",
+                   "missing_media=1, too_long=1", "[[A grey square."):  # fmt: skip
+        assert needle in text, needle
+    # the command prints the same report
+    path = write_config(cfg, tmp_path / "c.yaml")
+    assert check_data_main([str(path), "--num-records", "5"]) == 0
+    assert "3 good, 2 bad" in capsys.readouterr().out
+
+
+def test_engine_config_converts_and_trains(tiny_inputs, tmp_path, capsys):
+    """An lmms-engine-shaped config (inline data list, processor block, HF arguments) runs."""
+    from lmms_train import train
+    from lmms_train.config import load_config
+
+    engine = {
+        "trainer_type": "fsdp2_trainer",
+        "dataset_config": {
+            "dataset_type": "vision", "dataset_format": "yaml",
+            "datasets": [{"path": tiny_inputs["data"], "data_folder": "", "data_type": "parquet"}],
+            "processor_config": {"processor_name": tiny_inputs["processor"],
+                                 "processor_type": "qwen2_5_vl"},
+            "packing": True, "packing_strategy": "first_fit", "packing_length": 384,
+        },
+        "model_config": {
+            "load_from_config": {"model_type": "qwen2_5_vl", "tiny": True,
+                                 "config": {"vision_config": {"patch_size": 14, "window_size": 112}}},
+            "attn_implementation": "sdpa",
+        },
+        "trainer_args": {
+            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 1,
+            "num_train_epochs": 1, "learning_rate": 1.0e-3, "bf16": False, "fp16": False,
+            "gradient_checkpointing": True, "dataloader_num_workers": 0, "report_to": "none",
+            "output_dir": str(tmp_path / "run"), "save_strategy": "steps", "save_steps": 0,
+            "logging_dir": str(tmp_path / "tb"), "fsdp2": True, "use_rmpad": True,
+            "lr_scheduler_type": "constant", "eval_strategy": "no",
+        },
+    }  # fmt: skip
+    path = write_config(engine, tmp_path / "engine.yaml")
+    assert convert_config_main([str(path), "-o", str(tmp_path / "out.yaml")]) == 0
+    converted = yaml.safe_load((tmp_path / "out.yaml").read_text())
+    assert converted["trainer_args"]["activation_checkpointing"] == "full"
+    assert converted["dataset_config"]["dataset_path"] == tiny_inputs["data"]
+    cfg = load_config(path, ["trainer_args.save_final=false"])
+    assert "is an lmms-engine config" in capsys.readouterr().err
+    assert cfg.model_config.processor_path == tiny_inputs["processor"]
+    assert cfg.trainer_args.gradient_accumulation_steps == 2
+    train(cfg)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"loss"' in ln for ln in lines) >= 1
