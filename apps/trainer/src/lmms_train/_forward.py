@@ -13,6 +13,11 @@ Wraps the model spec's packed forward with three run-time concerns the spec does
 - **Vision participation.** Under FSDP a rank whose pack has no image still runs the (sharded)
   vision tower on a dummy image, where its peers run theirs (`lmms_parallel.VisionParticipation`),
   so that its collectives stay in step.
+- **Objective.** The loss is the run's objective (`lmms_models.objectives`, `model_config.
+  objective`): `causal_lm` is the spec's packed forward; others (masked diffusion, flow matching)
+  put their own loss on the spec's hidden states. The forward is an `ObjectiveForward`: the loop
+  tells it the step (`begin_step`, for the objective's seeded draws), asks it for each pack's
+  normaliser (`count_tokens`) and takes the step's summed metrics (`take_metrics`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from torch import nn
 
 from lmms_train._dist import DistEnv
 
-__all__ = ["call_through_root", "make_forward"]
+__all__ = ["ObjectiveForward", "call_through_root", "make_forward"]
 
 Forward = Callable[[nn.Module, dict[str, Any]], tuple[torch.Tensor, torch.Tensor]]
 
@@ -41,11 +46,72 @@ def call_through_root(model: nn.Module, fn: Callable[[], Any]) -> Any:
         del model.forward
 
 
+class ObjectiveForward:
+    """`(model, batch) -> (loss_sum, count)` through the run's objective, plus its bookkeeping.
+
+    Metrics (`ObjectiveOutput.metrics`: `{name: (numerator, denominator)}` device scalars) are
+    summed over the step's training micro-batches on the device (nothing is read on the host
+    here); forwards without gradients (validation) add nothing to them.
+    """
+
+    def __init__(
+        self, fn: Callable[[nn.Module, dict[str, Any], Any], Any], objective: Any, seed: int
+    ):
+        self._fn, self.objective, self.seed = fn, objective, seed
+        self.step = 0
+        self._micro = 0
+        self._metrics: dict[str, list[torch.Tensor]] = {}
+
+    def begin_step(self, step: int) -> None:
+        """The optimizer step (1-based) the next micro-batches belong to."""
+        self.step, self._micro = step, 0
+
+    def count_tokens(self, batch: dict[str, Any]) -> int:
+        """The pack's share of the global normaliser (host-side)."""
+        return self.objective.count_tokens(batch)
+
+    def __call__(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from lmms_models.objectives import ObjectiveContext
+
+        ctx = ObjectiveContext(seed=self.seed, step=self.step, micro_batch=self._micro)
+        out = self._fn(model, batch, ctx)
+        self._micro += 1
+        if torch.is_grad_enabled():
+            for name, (num, den) in out.metrics.items():
+                acc = self._metrics.setdefault(
+                    name, [torch.zeros((), dtype=torch.float64, device=num.device)] * 2
+                )
+                self._metrics[name] = [
+                    acc[0] + num.detach().double(),
+                    acc[1] + den.detach().double(),
+                ]
+        return out.loss_sum, out.count
+
+    def take_metrics(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The step's metric sums so far (this rank), and start afresh."""
+        out = {k: (v[0], v[1]) for k, v in self._metrics.items()}
+        self._metrics = {}
+        return out
+
+
 def make_forward(
-    spec: Any, model: nn.Module, env: DistEnv, *, loss_backend: str = "auto"
-) -> Forward:
+    spec: Any,
+    model: nn.Module,
+    env: DistEnv,
+    *,
+    loss_backend: str = "auto",
+    objective: Any = None,
+    seed: int = 0,
+) -> ObjectiveForward:
     """The forward for this run's layout (plain, FSDP, SP); `loss_backend`: the fused linear
-    cross-entropy's (`lmms_kernels.fused_linear_cross_entropy`)."""
+    cross-entropy's (`lmms_kernels.fused_linear_cross_entropy`); `objective`: an
+    `lmms_models.objectives.Objective` (default `causal_lm`), `seed` its draws' seed."""
+    if objective is None:
+        from lmms_models.objectives import get_objective
+
+        objective = get_objective("causal_lm")
     group = None
     tower = spec.vision_tower(model) if env.distributed else None
     if tower is not None:  # before SequenceParallel on the same module (lmms_parallel's order)
@@ -63,10 +129,8 @@ def make_forward(
 
     # No explicit ensure_vision_participation here: the hook above runs the dummy where the
     # peers run the tower; a call before the forward would put its all-gathers first.
-    def packed(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        return spec.packed_forward(model, batch, sp_group=group, loss_backend=loss_backend)
+    def forward(model: nn.Module, batch: dict[str, Any], ctx: Any) -> Any:
+        ctx.sp_group, ctx.loss_backend = group, loss_backend
+        return call_through_root(model, lambda: objective.loss(spec, model, batch, ctx))
 
-    def forward(model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        return call_through_root(model, lambda: packed(model, batch))
-
-    return forward
+    return ObjectiveForward(forward, objective, seed)

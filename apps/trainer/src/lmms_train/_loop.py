@@ -140,7 +140,10 @@ def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched:
     read = time.perf_counter() - t0
     hidden = busy is not None and not busy.query()  # a status check, not a synchronisation
     packing_length = run.cfg.dataset_config.packing_length
-    sums, lens = batch_stats(batches, flops_fn=flops_fn, packing_length=packing_length)
+    count_fn = getattr(run.forward, "count_tokens", None)  # the objective's normaliser
+    sums, lens = batch_stats(
+        batches, flops_fn=flops_fn, packing_length=packing_length, count_fn=count_fn
+    )
     sums["data_read"], sums["data_wait"] = read, 0.0 if hidden else read
     batches[0] = move_batch(batches[0], env.device, run.spec.host_keys)  # after the stats' reads
     return _Fetched(batches=batches, sums=sums, lens=lens, data_state=state)
@@ -159,12 +162,13 @@ class _Queued:
     data_wait: float
     data_read: float
     evaluate: bool  # validation after this step (its metrics are then read at once)
+    objective_metrics: tuple[str, ...] = ()  # names of the objective's (num, den) pairs in values
 
 
 def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
     """Wait for a queued step's scalars (normally long done), then log its metrics."""
     env = run.env
-    loss_sum, norm = q.values.wait()
+    loss_sum, norm, *pairs = q.values.wait()
     dt = q.clock.seconds()
     local_bad = int(run.data.bad_records()) if hasattr(run.data, "bad_records") else 0
     (bad,) = env.all_reduce([float(local_bad)])  # host-side collective: no device sync
@@ -184,6 +188,9 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
         "bad_records": int(bad / env.sp),
         **phases.read(q.phases),
     }
+    for i, name in enumerate(q.objective_metrics):  # global sums: numerator / denominator
+        num, den = pairs[2 * i], pairs[2 * i + 1]
+        metrics[name] = num / den if den > 0 else float("nan")
     if q.evaluate:
         metrics["eval_loss"] = evaluate(run)
     if env.is_main:
@@ -227,6 +234,8 @@ def train_loop(run: Run) -> dict[str, Any]:
             per_sp = {k: v / env.sp for k, v in reduced.items()}  # SP ranks share their packs
             global_count = per_sp["loss_tokens"]
             phases.mark("start")
+            if hasattr(run.forward, "begin_step"):  # the objective's draws are seeded per step
+                run.forward.begin_step(run.state.step + 1)
             loss_local = run_micro_batches(
                 model=run.model,
                 forward=run.forward,
@@ -247,7 +256,8 @@ def train_loop(run: Run) -> dict[str, Any]:
             phases.mark("optimizer")  # clipping, optimizer step, scheduler
             env.all_reduce_device_(loss_local)  # async on the device; no-op on one rank
             clock.end()
-            values = PendingScalars(loss_local, norm)  # non-blocking copy to pinned memory
+            names, pairs = _objective_metrics(run)  # all-reduced on the device, not read
+            values = PendingScalars(loss_local, norm, *pairs)  # non-blocking copy to pinned memory
             run.state.step += 1
             run.state.tokens_seen += int(per_sp["tokens"])
             run.state.samples_seen += int(per_sp["samples"])
@@ -280,7 +290,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             queued = _Queued(
                 step=step, clock=clock, values=values, host=host, phases=phases.take(),
                 global_count=global_count, data_wait=reduced["data_wait"], data_read=reduced["data_read"],
-                evaluate=evaluating,
+                evaluate=evaluating, objective_metrics=names,
             )  # fmt: skip
             stop = reduced["stop"] > 0
             periodic = t.save_steps and step % t.save_steps == 0
@@ -305,6 +315,19 @@ def train_loop(run: Run) -> dict[str, Any]:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return last
+
+
+def _objective_metrics(run: Run) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+    """The step's objective metrics as `(names, [num, den, ...])`, summed over every rank with
+    one device all-reduce (the same names on every rank: an objective's set is fixed)."""
+    take = getattr(run.forward, "take_metrics", None)
+    got = take() if take is not None else {}
+    if not got:
+        return (), []
+    names = tuple(sorted(got))
+    stacked = torch.stack([x for n in names for x in got[n]])  # [2k] float64
+    run.env.all_reduce_device_(stacked)
+    return names, list(stacked.unbind())
 
 
 def _save(run: Run, data_state: dict[str, Any]) -> None:

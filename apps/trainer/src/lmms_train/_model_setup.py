@@ -24,7 +24,7 @@ from lmms_train._dist import DistEnv
 from lmms_train._errors import ConfigError, UserError, suggest
 from lmms_train.config import TrainConfig
 
-__all__ = ["BuiltModel", "ac_plan", "build_model", "deep_merge", "resolve_spec"]
+__all__ = ["BuiltModel", "ac_plan", "build_model", "build_objective", "deep_merge", "resolve_spec"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -35,6 +35,7 @@ class BuiltModel:
     frozen: list[str]
     handles: list[Any]  # patch/AC handles kept alive for the run
     master: Any = None  # lmms_parallel.MasterWeights when bf16 without FSDP2
+    objective: Any = None  # lmms_models.objectives.Objective, prepared on this model
 
     @property
     def state_module(self) -> nn.Module:
@@ -77,6 +78,24 @@ def resolve_spec(cfg: TrainConfig) -> Any:
             f"registered: {', '.join(registered)}"
         )
     return get_model_spec(name)
+
+
+def build_objective(cfg: TrainConfig) -> Any:
+    """The run's objective (`model_config.objective` with `objective_args`); errors name the
+    registered objectives and the objective's options."""
+    from lmms_models.objectives import get_objective, list_objectives
+
+    m = cfg.model_config
+    names = list_objectives()
+    if m.objective not in names:
+        raise ConfigError(
+            f"model_config.objective {m.objective!r} is not registered"
+            f"{suggest(m.objective, names)}; registered: {', '.join(names)}"
+        )
+    try:
+        return get_objective(m.objective, **m.objective_args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model_config.objective_args: {exc}") from None
 
 
 def _set_where_present(conf: dict[str, Any], key: str, value: Any) -> bool:
@@ -197,6 +216,11 @@ def build_model(
             hf_config = model.config
     except (ValueError, TypeError, OSError) as exc:
         raise UserError(f"model_config: could not build {spec.name}: {exc}") from exc
+    objective = build_objective(cfg)
+    try:
+        objective.prepare_model(spec, model)  # e.g. bidirectional attention, before any wrapping
+    except (ValueError, NotImplementedError) as exc:
+        raise ConfigError(f"model_config.objective {m.objective!r}: {exc}") from None
     frozen = _freeze(model, spec, t.freeze)
     if t.linear_patch_embed:
         from lmms_models import linear_patch_embed
@@ -238,8 +262,9 @@ def build_model(
 
         master = MasterWeights(model, torch.bfloat16)
     return BuiltModel(
-        spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles, master=master
-    )
+        spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles,
+        master=master, objective=objective,
+    )  # fmt: skip
 
 
 def ac_plan(t: Any) -> dict[str, tuple[str, float]]:

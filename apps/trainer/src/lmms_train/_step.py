@@ -70,15 +70,16 @@ def _seq_lens(batch: dict[str, Any]) -> list[int]:
 
 
 def batch_stats(
-    batches: list[dict[str, Any]], *, flops_fn, packing_length: int
+    batches: list[dict[str, Any]], *, flops_fn, packing_length: int, count_fn=None
 ) -> tuple[dict[str, float], list[int]]:
-    """This rank's sums for the step's micro-batches and the list of its sample lengths."""
+    """This rank's sums for the step's micro-batches and the list of its sample lengths.
+    `count_fn(batch)`: the pack's loss normaliser (the objective's; default `num_loss_tokens`)."""
     sums = dict.fromkeys(STAT_KEYS, 0.0)
     all_lens: list[int] = []
     for b in batches:
         lens = _seq_lens(b)
         all_lens += lens
-        sums["loss_tokens"] += int(b["num_loss_tokens"])
+        sums["loss_tokens"] += int(b["num_loss_tokens"] if count_fn is None else count_fn(b))
         sums["tokens"] += sum(lens)
         sums["samples"] += len(lens)
         sums["vision_tokens"] += int(b.get("vision_tokens", 0))

@@ -69,6 +69,18 @@ class ModelConfig:
         "If `processor_path` does not exist, build a small tokenizer/processor there locally "
         "(a byte-level BPE trained on a fixed corpus; no download). For demos and tests.",
     )
+    objective: str = _f(
+        "causal_lm",
+        "Training objective (`lmms_models.objectives` registry), separate from the family: "
+        "`causal_lm` (next-token cross-entropy), `masked_diffusion` (diffusion LM: bidirectional "
+        "attention inside each sample, masked tokens weighted 1/t; docs/diffusion-lm.md), "
+        "`flow_matching` (diffusion transformers).",
+    )
+    objective_args: dict[str, Any] = _f(
+        {},
+        "Options of the objective, e.g. `{mask_token_id: 151666, eps: 0.001, shift: false}` "
+        "for `masked_diffusion` (unknown keys are errors).",
+    )
 
 
 @dataclass(kw_only=True, slots=True)
