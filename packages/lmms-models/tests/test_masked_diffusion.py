@@ -28,6 +28,7 @@ from lmms_models.objectives import (
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
 
 MD_FAMILIES = ["qwen2", "qwen2_5", "qwen3"]
+VL_FAMILIES = ["qwen2_5_vl", "qwen3_vl"]  # their dense text decoders, with media in the packs
 MASK_ID = 1001  # inside the tiny vocab (1024), outside the sampled text ids (< 1000)
 
 
@@ -94,7 +95,9 @@ def _grads(model):
     return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize(("name", "shift"), [(n, False) for n in MD_FAMILIES] + [("qwen2_5", True)])
+@pytest.mark.parametrize(
+    ("name", "shift"), [(n, False) for n in MD_FAMILIES + VL_FAMILIES] + [("qwen2_5", True)]
+)
 def test_packed_matches_unpacked_with_the_same_masks(name, shift):
     torch.manual_seed(0)
     spec = get_model_spec(name)
