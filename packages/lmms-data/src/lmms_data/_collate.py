@@ -12,7 +12,7 @@ from lmms_pack import collate_packed
 #: media keys concatenated along dim 0 in pack order
 MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
               "second_per_grid_ts", "input_features", "audio_feature_lens",
-              "audio_frames")  # fmt: skip
+              "audio_frames", "image_sizes", "batch_num_images", "video_frames")  # fmt: skip
 
 
 def collate_packed_batch(

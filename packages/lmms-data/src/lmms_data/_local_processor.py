@@ -91,6 +91,10 @@ def build_local_processor(
 
     if family in AUDIO_FAMILIES:
         return build_local_audio_processor(out_dir, family, vocab_size=vocab_size)
+    if family == "llava_onevision":
+        from lmms_data._local_llava import build_local_llava_processor
+
+        return build_local_llava_processor(out_dir, vocab_size=vocab_size)
     if family not in _FAMILIES and family not in TEXT_FAMILIES:
         known = sorted([*_FAMILIES, *TEXT_FAMILIES, *AUDIO_FAMILIES])
         raise ValueError(f"unknown family {family!r}; known: {known}")

@@ -6,6 +6,7 @@ from lmms_data.processors._audio import (
     audio_output_lengths,
 )
 from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
+from lmms_data.processors._llava_onevision import LlavaOnevisionDataProcessor, anyres_image_tokens
 from lmms_data.processors._mrope import mrope_positions
 from lmms_data.processors._qwen_vl import (
     Qwen2_5_VLDataProcessor,
@@ -18,12 +19,14 @@ from lmms_data.processors._text import TEXT_FAMILIES, QwenTextProcessor
 __all__ = [
     "AUDIO_TYPE_ID",
     "IGNORE_INDEX",
+    "LlavaOnevisionDataProcessor",
     "TEXT_FAMILIES",
     "Qwen2AudioDataProcessor",
     "Qwen2_5_VLDataProcessor",
     "Qwen3VLDataProcessor",
     "QwenTextProcessor",
     "QwenVLProcessor",
+    "anyres_image_tokens",
     "audio_output_lengths",
     "mrope_positions",
     "smart_resize",
