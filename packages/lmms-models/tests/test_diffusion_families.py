@@ -144,3 +144,79 @@ def test_sit_flops_count_the_built_module() -> None:
     assert spec.tokens_per_sample(conf, (4, 32, 32)) == 64
     flops = spec.lm_flops(conf, [64, 64])
     assert flops > 6 * per_token * 128
+
+
+# ---------------------------------------------------------------------------- wan
+def _wan_encoders():
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(5)
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[True], latents_mean=[0.1, -0.2, 0.3, 0.0],
+        latents_std=[1.5, 0.5, 2.0, 1.0],
+    )  # fmt: skip
+    text = UMT5EncoderModel(UMT5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                       num_heads=2, relative_attention_num_buckets=8))  # fmt: skip
+    return vae, text
+
+
+def test_wan_objective_is_wans_rectified_flow() -> None:
+    """x_t = (1 - s) x + s noise, timestep 1000 s with s shifted, target noise - x, through
+    diffusers' own WanTransformer3DModel forward; text and video encoded on the fly."""
+    from lmms_models import attach_encoder
+    from lmms_models.families.wan import encode_text, encode_video, vae_factors
+    from lmms_models.objectives.flow_matching import sample_seeds
+
+    spec = get_model_spec("wan")
+    model = spec.build(config=spec.tiny_config())
+    vae, text = _wan_encoders()
+    attach_encoder(model, "vae", vae)
+    attach_encoder(model, "text_encoder", text)
+    assert vae_factors(vae) == (2, 2)
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "pixel_values": torch.rand(2, 3, 5, 8, 12, generator=g) * 2 - 1,
+        "input_ids": torch.tensor([[5, 6, 7, 1, 0, 0], [9, 1, 0, 0, 0, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]]),
+        "noise_seed": torch.tensor([3, 4]),
+        "num_loss_tokens": 2,
+    }
+    obj = get_objective("flow_matching", convention="rectified_flow", shift=5.0,
+                        time_sampling="logit_normal")  # fmt: skip
+    out = obj.loss(spec, model, batch, ObjectiveContext(seed=1))
+    with torch.no_grad():
+        z = vae.encode(batch["pixel_values"]).latent_dist.mean
+    mean = torch.tensor([0.1, -0.2, 0.3, 0.0]).view(1, 4, 1, 1, 1)
+    std = torch.tensor([1.5, 0.5, 2.0, 1.0]).view(1, 4, 1, 1, 1)
+    x = (z - mean) / std
+    torch.testing.assert_close(encode_video(vae, batch["pixel_values"]), x)
+    states = encode_text(text, batch["input_ids"], batch["attention_mask"])
+    assert torch.all(states[1, 2:] == 0) and torch.all(states[0, :4] != 0)
+    d = fm.draw(obj.options, sample_seeds(1, batch["noise_seed"]), tuple(x.shape[1:]), "cpu")
+    s = 1 - d.t  # noise level (already shifted)
+    xt = (1 - s)[:, None, None, None, None] * x + s[:, None, None, None, None] * d.noise
+    pred = model(hidden_states=xt, timestep=1000 * s, encoder_hidden_states=states).sample
+    ref = ((pred - (d.noise - x)) ** 2).mean(dim=(1, 2, 3, 4)).sum()
+    torch.testing.assert_close(out.loss_sum, ref)
+    assert spec.tokens_per_sample(model.config, x.shape[1:]) == 3 * 2 * 3
+
+
+def test_wan_presets_and_flops() -> None:
+    spec = get_model_spec("wan")
+    sizes = {"1.3b": 1.419e9, "14b": 14.288e9, "2.2-5b": 5.000e9}  # Wan2.1 / Wan2.2 checkpoints
+    for name, want in sizes.items():
+        model = spec.build(config=spec.preset(name), device="meta")
+        n = sum(p.numel() for p in model.parameters())
+        assert abs(n - want) / want < 1e-3, (name, n)
+        per_token = sum(
+            p.numel() for k, p in model.named_parameters()
+            if not k.startswith(("condition_embedder", "scale_shift_table"))
+            and ".scale_shift_table" not in k and "attn2.to_k" not in k and "attn2.to_v" not in k
+            and "norm_added" not in k
+        )  # fmt: skip
+        assert spec.matmul_params(model.config) == per_token, name
+    conf = spec.make_config(spec.preset("1.3b"))
+    tokens = spec.tokens_per_sample(conf, (16, 21, 60, 104))  # 480p x 81 frames
+    assert tokens == 21 * 30 * 52
+    assert spec.lm_flops(conf, [tokens]) > 6 * spec.matmul_params(conf) * tokens

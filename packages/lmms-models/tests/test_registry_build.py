@@ -7,8 +7,17 @@ import torch
 
 from lmms_models import MODEL_REGISTRY, ModelSpec, get_model_spec, list_models, register_model
 
-FAMILIES = ["llava_onevision", "qwen2", "qwen2_5", "qwen2_5_vl", "qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"]
-DIFFUSION_FAMILIES = ["sit"]  # flow matching: tests/test_diffusion_families.py
+FAMILIES = [
+    "llava_onevision",
+    "qwen2",
+    "qwen2_5",
+    "qwen2_5_vl",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+]
+DIFFUSION_FAMILIES = ["sit", "wan"]  # flow matching: tests/test_diffusion_families.py
 AUDIO_FAMILIES = ["qwen2_audio"]  # audio towers: tests/test_audio_families.py
 
 

@@ -11,4 +11,5 @@ from . import (  # noqa: F401
     qwen3_vl,
     qwen3_vl_moe,
     sit,
+    wan,
 )

@@ -1,0 +1,209 @@
+"""``wan``: Wan2.1 / Wan2.2 text-to-video on diffusers' ``WanTransformer3DModel`` (flow matching).
+
+Presets: ``1.3b`` and ``14b`` (Wan2.1 T2V) and ``2.2-5b`` (Wan2.2 TI2V-5B: 48 latent channels,
+same class). Training follows Wan's rectified-flow parameterisation (objective options
+``convention: rectified_flow``, ``shift: 5``): ``x_t = (1 - s) x + s noise``, the network sees the
+timestep ``1000 s`` and predicts ``noise - x``.
+
+Conditions and latents come precomputed (``text_embeds [B, L, text_dim]`` umT5 states with
+zeros after each prompt's end, ``latents [B, C, F', H', W']`` normalised with the VAE's
+``latents_mean``/``latents_std``), or are encoded on the fly by frozen encoders attached with
+:func:`lmms_models.attach_encoder`: ``"text_encoder"`` (transformers' ``UMT5EncoderModel``) from
+``input_ids``/``attention_mask`` and ``"vae"`` (diffusers' ``AutoencoderKLWan``, posterior mean)
+from ``pixel_values [B, 3, F, H, W]``. The CFG null condition is all-zero text states (every
+position padding). Ulysses SP over video tokens: :class:`WanUlysses`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..._diffusion import DiffusionSpec, get_encoder, require_diffusers
+from ..._registry import register_model
+from ._sp import WanUlysses, scale_grad
+
+__all__ = ["WanSpec", "WanUlysses", "encode_text", "encode_video"]
+
+_COMMON = dict(patch_size=[1, 2, 2], attention_head_dim=128, text_dim=4096, freq_dim=256,
+               cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+               rope_max_seq_len=1024)  # fmt: skip
+PRESETS = {
+    "1.3b": dict(
+        _COMMON,
+        num_attention_heads=12,
+        ffn_dim=8960,
+        num_layers=30,
+        in_channels=16,
+        out_channels=16,
+    ),
+    "14b": dict(
+        _COMMON,
+        num_attention_heads=40,
+        ffn_dim=13824,
+        num_layers=40,
+        in_channels=16,
+        out_channels=16,
+    ),
+    "2.2-5b": dict(
+        _COMMON,
+        num_attention_heads=24,
+        ffn_dim=14336,
+        num_layers=30,
+        in_channels=48,
+        out_channels=48,
+    ),
+}
+TEXT_LEN = 512  # umT5 context Wan trains with (FLOPs of the cross-attention)
+
+
+@register_model("wan")
+class WanSpec(DiffusionSpec):
+    processor_family = "wan"
+    presets = PRESETS
+    objective_defaults = {"convention": "rectified_flow", "shift": 5.0}  # noqa: RUF012
+
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        conf = dict(
+            patch_size=[1, 2, 2], num_attention_heads=4, attention_head_dim=12, in_channels=4,
+            out_channels=4, text_dim=16, freq_dim=32, ffn_dim=64, num_layers=2,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64,
+        )  # fmt: skip
+        conf.update(overrides)
+        return conf
+
+    def make_config(self, config: dict[str, Any]) -> Any:
+        """The ``FrozenDict`` config diffusers' class would hold (via a meta-device build)."""
+        conf = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
+        with torch.device("meta"):
+            model = require_diffusers().WanTransformer3DModel(**conf)
+        return model.config
+
+    def build(
+        self,
+        *,
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        **_: Any,
+    ) -> nn.Module:
+        """``WanTransformer3DModel`` from a config dict or a local diffusers folder."""
+        cls = require_diffusers().WanTransformer3DModel
+        if (config is None) == (pretrained is None):
+            raise ValueError("give exactly one of config= or pretrained=")
+        device = torch.device(device)
+        if pretrained is not None and device.type != "meta":
+            model = cls.from_pretrained(pretrained, local_files_only=True)
+            return model.to(device) if dtype == torch.float32 else model.to(device, dtype)
+        if pretrained is not None:
+            config = json.loads((Path(pretrained) / "config.json").read_text())
+        conf = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}  # type: ignore[union-attr]
+        with torch.device(device):
+            model = cls(**conf)
+        return model if dtype == torch.float32 else model.to(dtype)
+
+    # ---------------------------------------------------------------- objective hooks
+    def diffusion_inputs(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, Any]:
+        dev = model.proj_out.weight.device
+        if "latents" in batch:
+            x1 = batch["latents"].to(dev, torch.float32)
+        else:
+            vae = get_encoder(model, "vae", dev)
+            if vae is None:
+                raise ValueError("wan: pixel_values need a VAE (attach_encoder(model, 'vae', ...))")
+            x1 = encode_video(vae, batch["pixel_values"].to(dev, torch.float32))
+        if "text_embeds" in batch:
+            text = batch["text_embeds"].to(dev, torch.float32)
+        else:
+            enc = get_encoder(model, "text_encoder", dev)
+            if enc is None:
+                raise ValueError("wan: input_ids need a text encoder (attach_encoder)")
+            text = encode_text(enc, batch["input_ids"].to(dev), batch["attention_mask"].to(dev))
+        return x1, text
+
+    def drop_condition(self, model: nn.Module, cond: Any, drop: torch.Tensor) -> Any:
+        return cond * (~drop).to(cond.dtype)[:, None, None]
+
+    def null_condition(self, model: nn.Module, batch_size: int, device: Any) -> Any:
+        text_dim = model.config.text_dim
+        return torch.zeros(batch_size, 1, text_dim, device=device)
+
+    def denoise(
+        self, model: nn.Module, x_t: torch.Tensor, timestep: torch.Tensor, cond: Any, *,
+        sp_group: Any = None,
+    ) -> torch.Tensor:  # fmt: skip
+        dtype = model.proj_out.weight.dtype
+        out = model(
+            hidden_states=x_t.to(dtype), timestep=timestep, encoder_hidden_states=cond.to(dtype),
+            return_dict=False,
+        )[0]  # fmt: skip
+        if sp_group is not None:  # every SP rank holds the full output: 1/sp of its gradient
+            out = scale_grad(out, 1.0 / torch.distributed.get_world_size(sp_group))
+        return out
+
+    def install_sp(self, model: nn.Module, sp_group: Any) -> WanUlysses:
+        """Ulysses SP over the video tokens (instance hooks; ``.remove()`` undoes them)."""
+        return WanUlysses(model, sp_group).install()
+
+    def tokens_per_sample(self, config: Any, latent_shape: Sequence[int]) -> int:
+        pt, ph, pw = config.patch_size
+        f, h, w = latent_shape[-3:]
+        return (f // pt) * (h // ph) * (w // pw)
+
+    # ---------------------------------------------------------------- engine hooks
+    def decoder_blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.blocks)
+
+    def lm_head(self, model: nn.Module) -> nn.Module:
+        return model.proj_out
+
+    def matmul_params(self, config: Any) -> int:
+        """Per video token: self-attention q/k/v/o, cross-attention q/o, FFN, both norms' weights,
+        patch embedding and output projection (cross-attention k/v run on the text tokens)."""
+        d = config.num_attention_heads * config.attention_head_dim
+        patch = int(torch.tensor(config.patch_size).prod())
+        block = 4 * (d * d + d) + 2 * (d * d + d) + 2 * d * config.ffn_dim + config.ffn_dim + d
+        block += 4 * d + (2 * d if config.cross_attn_norm else 0)  # q/k norms, norm2 affine
+        embed = config.in_channels * patch * d + d
+        head = d * config.out_channels * patch + config.out_channels * patch
+        return config.num_layers * block + embed + head
+
+    def attention_shape(self, config: Any) -> tuple[int, int]:
+        return config.num_layers, config.num_attention_heads * config.attention_head_dim
+
+    def extra_flops(self, config: Any, seq_lens: Sequence[int]) -> float:
+        """Cross-attention over ``TEXT_LEN`` text tokens (scores and values, per video token) and
+        its k/v projections of the text, plus the text embedder, once per sample."""
+        layers, d = self.attention_shape(config)
+        scores = 12.0 * layers * d * TEXT_LEN * sum(seq_lens)
+        text = 6.0 * TEXT_LEN * (layers * 2 * d * d + config.text_dim * d + d * d)
+        return scores + text * len(seq_lens)
+
+
+def vae_factors(vae: nn.Module) -> tuple[int, int]:
+    """``(temporal, spatial)`` compression of an ``AutoencoderKLWan`` from its structure."""
+    c = vae.config
+    return 2 ** sum(bool(x) for x in c.temperal_downsample), 2 ** (len(c.dim_mult) - 1)
+
+
+def encode_video(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """Normalised latents ``[B, z, 1 + (F-1)/t, H/s, W/s]`` of ``pixels [B, 3, F, H, W]`` in
+    [-1, 1]: the posterior mean, ``(z - latents_mean) / latents_std`` (Wan's pipeline)."""
+    with torch.no_grad():
+        z = vae.encode(pixels.to(next(vae.parameters()).dtype)).latent_dist.mean.float()
+    mean = torch.tensor(vae.config.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=z.device).view(1, -1, 1, 1, 1)
+    return (z - mean) / std
+
+
+def encode_text(encoder: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """umT5 states ``[B, L, D]`` with zeros after each prompt's end (Wan's padding rule)."""
+    with torch.no_grad():
+        states = encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()
+    return states * mask[..., None].to(states.dtype)

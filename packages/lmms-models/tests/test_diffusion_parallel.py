@@ -1,0 +1,52 @@
+"""Diffusion transformers across layouts on CPU (gloo): Ulysses SP 2 == SP 1 for wan (3-D RoPE
+positions over a token split inside a frame), FSDP2 on 2 ranks == 1 process for sit and wan
+(losses and gradients). One 2-process spawn runs every case (see _diffusion_workers.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+pytest.importorskip("diffusers")
+import _diffusion_workers
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("diffusion_parallel")
+    mp.spawn(_diffusion_workers.run, args=(2, _port(), str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_wan_ulysses_sp2_equals_sp1(results) -> None:
+    for rank, res in enumerate(results):
+        got = res["sp/wan"]
+        assert "error" not in got, got.get("error")
+        assert got["loss"] == pytest.approx(got["loss_sp1"], rel=1e-5), rank
+        assert got["worst"] < 1e-4, (rank, got["worst"])
+        assert got["restored"], "WanUlysses.remove() must restore the single-process forward"
+
+
+@pytest.mark.parametrize("family", ["sit", "wan"])
+def test_fsdp2_two_ranks_equal_one_process(results, family) -> None:
+    for rank, res in enumerate(results):
+        got = res[f"fsdp/{family}"]
+        assert "error" not in got, got.get("error")
+        assert got["loss"] == pytest.approx(got["loss_1proc"], rel=1e-5), rank
+        assert got["worst"] < 1e-4, (rank, got["worst"])
