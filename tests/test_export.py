@@ -43,3 +43,70 @@ def test_export_writes_the_fp32_masters_and_loads(tiny_inputs, tmp_path, no_torc
         assert torch.equal(value, loaded[True][key]), key
     bf16_exact = [v for k, v in loaded[None].items() if k.endswith("weight")]
     assert any(not torch.equal(v, v.bfloat16().float()) for v in bf16_exact)  # not bf16 casts
+    # the folder is complete: tokenizer, processor and chat template load beside the weights
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(str(tmp_path / "fsdp_None" / "hf"))
+    assert type(proc).__name__ == "Qwen2_5_VLProcessor" and proc.chat_template
+
+
+# Families whose upstream forward on CPU reaches flash-linear-attention's Triton kernels when that
+# package is installed (gated DeltaNet layers): loaded and compared here, generation on the GPU.
+_TRITON_FORWARD = ("fla_gated_deltanet", "qwen3_5", "qwen3_5_moe")
+
+
+def _families() -> list[str]:
+    import lmms_models
+
+    return [n for n in lmms_models.list_models() if lmms_models.get_model_spec(n).model_class]
+
+
+@pytest.mark.parametrize("family", _families())
+def test_export_is_complete_for_every_family(family, tmp_path):
+    """Weights in `export_dtype`, the processor and chat template beside them; the folder loads
+    with AutoProcessor (or AutoTokenizer) and the model's Auto class and generates."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from lmms_models import get_model_spec
+    from lmms_train._data_setup import prepare_inputs
+    from lmms_train._dist import DistEnv
+    from lmms_train._export import auto_class_for, export_run
+    from lmms_train._model_setup import model_config_dict
+
+    spec = get_model_spec(family)
+    proc_dir = str(tmp_path / "processor")
+    cfg = config_from_dict({
+        "model_config": {"load_from_config": {"model_type": family, "tiny": True},
+                         "processor_path": proc_dir, "build_local_processor": True},
+        "dataset_config": {"dataset_path": str(tmp_path)},
+    })  # fmt: skip
+    ids = prepare_inputs(cfg, DistEnv(), spec)
+    model = spec.build(config=model_config_dict(cfg, spec, ids))
+    out = export_run(
+        model, tmp_path / "hf", weights=None, processor_path=proc_dir, dtype="bfloat16"
+    )
+    auto = auto_class_for(model.config, spec.model_class)
+    assert auto is not None, f"no Auto class builds {spec.model_class}"
+    loaded = auto.from_pretrained(str(out), dtype="auto")
+    assert type(loaded).__name__ == spec.model_class
+    written = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert {v.dtype for v in written.values() if v.is_floating_point()} == {torch.bfloat16}
+    want = {k: v.bfloat16() for k, v in model.state_dict().items()}
+    got = loaded.state_dict()  # (a family may keep some parameters in fp32 when it loads)
+    assert all(torch.equal(got[k].bfloat16(), want[k]) for k in want if k in got)
+    try:
+        proc = AutoProcessor.from_pretrained(str(out))
+    except (OSError, ValueError, KeyError, TypeError):
+        proc = AutoTokenizer.from_pretrained(str(out))
+    tok = getattr(proc, "tokenizer", proc)
+    assert tok.chat_template, "the chat template travels with the weights"
+    assert len(tok) == len(AutoTokenizer.from_pretrained(proc_dir))
+    if family in _TRITON_FORWARD:
+        pytest.importorskip("fla", reason="the upstream forward runs without fla")
+        return
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
+    )
+    enc = tok(prompt, return_tensors="pt")
+    gen = loaded.generate(**enc, max_new_tokens=4, do_sample=False)
+    assert gen.shape[1] == enc["input_ids"].shape[1] + 4

@@ -152,9 +152,11 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
     finally:
         logger.close()
     if t.export_hf and state.step >= t.max_steps:
-        from lmms_parallel import export_hf
+        from lmms_train._data_setup import _processor_path
+        from lmms_train._export import export_run
 
-        export_hf(built.model, out / "hf", weights=built.state_module)
+        export_run(built.model, out / "hf", weights=built.state_module,
+                   processor_path=_processor_path(cfg), dtype=t.export_dtype)  # fmt: skip
     if env.is_main:
         _plot_quietly(out)
     return last

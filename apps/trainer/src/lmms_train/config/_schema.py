@@ -336,7 +336,16 @@ class TrainerArgs:
     save_steps: int = _f(0, "Checkpoint every this many steps (0: only at the end and on SIGTERM).")
     save_total_limit: int = _f(3, "Keep the last this many checkpoints.")
     save_final: bool = _f(True, "Write a checkpoint at the end of training.")
-    export_hf: bool = _f(False, "Also export a consolidated HF safetensors folder at the end.")
+    export_hf: bool = _f(
+        False,
+        "At the end, write `output_dir/hf`: config, safetensors weights, tokenizer, processor and "
+        "chat template, loadable with `AutoProcessor` and the model's Auto class.",
+    )
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _f(
+        "auto",
+        "dtype of the exported weights: `auto` keeps the masters' (fp32 for a bf16 run); "
+        "`bfloat16` halves the folder (config.json names the dtype written).",
+    )
     resume_from: str | None = _f(
         None, "`latest` (error if none), `auto` (latest if any), or a checkpoint folder."
     )
