@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import subprocess
@@ -49,3 +50,26 @@ def run_cli(
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}", "-m", "lmms_train", *args]  # fmt: skip
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def expect_failure(main, argv: list[str], capsys, *needles: str, code: int = 2) -> str:
+    """Run the CLI in-process; assert the exit code, no traceback, every message line starting
+    with `lmms-train: error:`, and each needle in stderr. Returns stderr."""
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("lmms-train: error:")]
+    assert lines and err.strip().splitlines()[-1].startswith("lmms-train: error:"), err
+    for n in needles:
+        assert n in err, f"{n!r} not in:\n{err}"
+    return err
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """`{relative path: sha256}` of every file under `root` (to show nothing was touched)."""
+    root = Path(root)
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".lmms-train.lock"
+    }

@@ -2,7 +2,13 @@
 
 A checkpoint under `<output_dir>/checkpoints/step_000123/` holds model and optimizer shards
 (DCP, reshardable) and, per rank, `extra_rank{r}.pt`: scheduler, counters, every RNG stream and
-the data loader's position. Together they make a resumed run reproduce the uninterrupted one.
+the data loader's position (with the dataset files' fingerprint) and the run's config. Together
+they make a resumed run reproduce the uninterrupted one.
+
+Failures are user errors with one line each (docs/failures.md): a save that runs out of disk space
+or permission (the partial `.tmp` is removed, earlier checkpoints stay), weights that are not
+finite (never written), a resume target that is not a checkpoint, or one of another model shape
+(`checkpoint has X, model has Y`, with the config keys that differ).
 """
 
 from __future__ import annotations
@@ -13,19 +19,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lmms_train._dist import DistEnv
-from lmms_train._errors import ConfigError, UserError
+from lmms_train._errors import (
+    ConfigError,
+    DataChangedError,
+    DivergenceError,
+    UserError,
+    os_error_message,
+)
 from lmms_train._state import TrainState, get_rng_state, set_rng_state
 
-__all__ = ["RunCheckpointer"]
+__all__ = ["RunCheckpointer", "check_fits", "saved_config", "weights_finite"]
 
 
 class RunCheckpointer:
-    def __init__(self, out_dir: Path, keep_last: int) -> None:
+    def __init__(self, out_dir: Path, keep_last: int, config: dict[str, Any] | None = None) -> None:
         from lmms_parallel import Checkpointer
 
         self.ckpt = Checkpointer(out_dir / "checkpoints", keep_last=keep_last)
+        self.config = config  # stored with every checkpoint: a resume reports what differs
+
+    def latest_text(self) -> str:
+        """The last complete checkpoint, for messages."""
+        latest = self.ckpt.latest()
+        return f"the last good checkpoint is {latest}" if latest else "no checkpoint was written"
 
     def resolve(self, resume_from: str | None) -> Path | None:
         """`latest` (must exist), `auto` (latest if any), a checkpoint folder, or None."""
@@ -42,10 +61,27 @@ class RunCheckpointer:
         path = Path(resume_from)
         if not path.exists() and (self.ckpt.root / resume_from).exists():
             path = self.ckpt.root / resume_from
-        if not (path / "COMPLETE").exists():
+        key = "trainer_args.resume_from"
+        if not path.exists():
+            raise ConfigError(f"{key}: {resume_from!r} does not exist")
+        if not path.is_dir():
+            raise ConfigError(f"{key}: {resume_from!r} is a file, not a checkpoint folder")
+        if (path / "checkpoints").is_dir():  # a run folder: point at its checkpoints
+            from lmms_parallel import Checkpointer
+
+            latest = Checkpointer(path / "checkpoints").latest()
+            hint = f"its latest is {latest}" if latest else "it has no complete checkpoint"
             raise ConfigError(
-                f"trainer_args.resume_from: {resume_from!r} is not a complete checkpoint folder"
+                f"{key}: {resume_from!r} is a run folder, not a checkpoint ({hint}; "
+                "`latest` resumes this run's own output_dir)"
             )
+        if not (path / "COMPLETE").exists() or not (path / ".metadata").exists():
+            what = (
+                "an unfinished save (no COMPLETE marker)"
+                if path.name.endswith(".tmp")
+                else ("not a checkpoint folder (no COMPLETE marker or .metadata)")
+            )
+            raise ConfigError(f"{key}: {resume_from!r} is {what}")
         return path
 
     def save(
@@ -60,6 +96,12 @@ class RunCheckpointer:
         env: DistEnv,
     ) -> Path:
         """`data_state`: the loader's position after the packs of `step` (the loop reads ahead)."""
+        if not weights_finite(model, env):
+            raise DivergenceError(
+                f"training diverged by step {step}: the weights hold NaN/inf values, so no "
+                f"checkpoint was written; {self.latest_text()} (lower the learning rate or "
+                "max_grad_norm and resume from it)"
+            )
         extra = {
             "scheduler": scheduler.state_dict(),
             "train_state": state.state_dict(),
@@ -67,9 +109,22 @@ class RunCheckpointer:
             "data": data_state,
             "world_size": env.world_size,
             "dp_size": env.dp_size,
+            "config": self.config,
         }
-        with self._quiet(env):
-            return self.ckpt.save(step, model=model, optimizer=optimizer, extra_state=extra)
+        try:
+            with self._quiet(env):
+                return self.ckpt.save(step, model=model, optimizer=optimizer, extra_state=extra)
+        except (OSError, RuntimeError, CheckpointException) as exc:
+            cause = _os_error(exc)
+            reason = os_error_message(cause) if cause is not None else None
+            if reason is None and "save failed on rank" in str(exc):  # another rank's failure
+                reason = " ".join(str(exc).split())
+            if reason is None:
+                raise
+            raise UserError(
+                f"could not write the checkpoint of step {step}: {reason}; the partial "
+                f"{self.ckpt.path(step).name}.tmp was removed and {self.latest_text()}"
+            ) from exc
 
     @staticmethod
     @contextlib.contextmanager
@@ -90,20 +145,119 @@ class RunCheckpointer:
         state: TrainState,
         data: Any,
         env: DistEnv,
+        on_data_change: str = "error",
+        differences: list[str] | None = None,
     ) -> None:
+        """Load `path` into the run; `differences`: the config keys that differ from the
+        checkpoint's (named when the model does not fit it)."""
+        check_fits(path, model, differences or [])
         try:
             with self._quiet(env):
                 extra = self.ckpt.load(path, model=model, optimizer=optimizer)
-        except (FileNotFoundError, RuntimeError) as exc:
-            raise UserError(f"could not resume from {path}: {exc}") from exc
+        except (OSError, RuntimeError, KeyError, CheckpointException) as exc:
+            detail = " ".join(str(_os_error(exc) or exc).split())[:300]
+            raise UserError(f"could not resume from {path}: {detail}") from exc
         scheduler.load_state_dict(extra["scheduler"])
         state.load_state_dict(extra["train_state"])
-        if extra.get("dp_size") == env.dp_size:
+        if extra.get("dp_size") != env.dp_size:
+            if env.is_main:
+                print(
+                    f"[lmms-train] resuming at data-parallel size {env.dp_size} from a checkpoint "
+                    f"of size {extra.get('dp_size')}: the data order restarts from the dataset's "
+                    "seed",
+                    flush=True,
+                )
+            return
+        try:
             data.load_state_dict(extra["data"])
-            set_rng_state(extra["rng"])
-        elif env.is_main:
-            print(
-                f"[lmms-train] resuming at data-parallel size {env.dp_size} from a checkpoint of "
-                f"size {extra.get('dp_size')}: the data order restarts from the dataset's seed",
-                flush=True,
-            )
+        except DataChangedError as exc:
+            if on_data_change != "restart":
+                raise DataChangedError(
+                    f"{exc} since the checkpoint {path} was written: resuming there would read "
+                    "other records than it recorded (restore the files, or set "
+                    "trainer_args.on_data_change: restart to restart the data order)"
+                ) from None
+            if env.is_main:
+                print(f"[lmms-train] {exc}: the data order restarts (on_data_change: restart)")
+            return
+        except (ValueError, KeyError) as exc:
+            raise UserError(f"could not resume the data position from {path}: {exc}") from exc
+        set_rng_state(extra["rng"])
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind `exc` (itself, its cause, or a DCP CheckpointException's failure)."""
+    seen: list[BaseException] = []
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if e in seen:
+            continue
+        seen.append(e)
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, CheckpointException):
+            todo.extend(f[0] for f in e.failures.values())
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None
+
+
+def saved_config(path: Path) -> dict[str, Any] | None:
+    """The run config a checkpoint was written with (None for older checkpoints)."""
+    try:
+        extra = torch.load(path / "extra_rank0.pt", map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError):
+        return None
+    config = extra.get("config") if isinstance(extra, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def check_fits(path: Path, model: torch.nn.Module, differences: list[str]) -> None:
+    """Raise a `UserError` naming the first tensors whose shapes differ between the checkpoint's
+    model and this one (read from DCP's metadata: nothing is loaded)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    try:
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise UserError(f"could not read the checkpoint {path}: {exc}") from exc
+    saved = {
+        k.removeprefix("model."): list(v.size)
+        for k, v in meta.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
+    model_sd, _ = get_state_dict(model, [])
+    mine = {k: list(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    shapes = [
+        f"checkpoint has {k} {saved[k]}, model has {mine[k]}"
+        for k in mine
+        if k in saved and saved[k] != mine[k]
+    ]
+    missing = [k for k in mine if k not in saved]
+    extra = [k for k in saved if k not in mine]
+    found = shapes + [f"model has {k}, checkpoint has not" for k in missing[:1]]
+    found += [f"checkpoint has {k}, model has not" for k in extra[:1]]
+    if not found:
+        return
+    count = len(shapes) + len(missing) + len(extra)
+    more = f" ({count - 1} more differences)" if count > 1 else ""
+    config = f"; the config differs from the checkpoint's: {'; '.join(differences)}"
+    raise UserError(
+        f"the checkpoint {path} does not fit this model: {found[0]}{more}"
+        f"{config if differences else ''} (resume with the model config it was written with)"
+    )
+
+
+def weights_finite(model: torch.nn.Module, env: DistEnv) -> bool:
+    """True when every parameter (this rank's shards, then all ranks) is finite; one host
+    read per call, so it runs only before a save."""
+    flags = []
+    for p in model.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        if t.numel():
+            flags.append(torch.isfinite(t).all())
+    ok = bool(torch.stack(flags).all()) if flags else True
+    (bad,) = env.all_reduce([0.0 if ok else 1.0], op="max")
+    return bad == 0.0

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import glob
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
 from lmms_train._dist import DistEnv
-from lmms_train._errors import ConfigError, UserError, suggest
+from lmms_train._errors import ConfigError, DataChangedError, UserError, suggest
 from lmms_train.config import TrainConfig, config_to_dict
 
 __all__ = ["TrainData", "build_data", "data_config", "prepare_inputs"]
@@ -26,6 +27,7 @@ _TOKENS = {
     "video_token_id": "<|video_pad|>",
     "vision_start_token_id": "<|vision_start|>",
     "vision_end_token_id": "<|vision_end|>",
+    "audio_token_id": "<|AUDIO|>",
 }
 
 
@@ -67,12 +69,15 @@ def prepare_inputs(cfg: TrainConfig, env: DistEnv, spec: Any) -> dict[str, int] 
 
 def _generate(g: Any, dataset_path: str, spec: Any) -> None:
     """Synthetic records of `g.kind` (default: `vl` for vision-language models, else `text`)."""
-    from lmms_data import generate_synthetic_text, generate_synthetic_vl
+    from lmms_data import generate_synthetic_audio, generate_synthetic_text, generate_synthetic_vl
 
     out = dataset_path if not Path(dataset_path).suffix else str(Path(dataset_path).parent)
-    kind = g.kind or ("vl" if spec.media_keys else "text")
+    audio = "input_features" in spec.media_keys
+    kind = g.kind or ("audio" if audio else "vl" if spec.media_keys else "text")
     if kind == "text":
         generate_synthetic_text(out, g.num_samples, format=g.format, seed=g.seed)
+    elif kind == "audio":
+        generate_synthetic_audio(out, g.num_samples, format=g.format, seed=g.seed)
     else:
         generate_synthetic_vl(
             out, g.num_samples, format=g.format, seed=g.seed, image_size=g.image_size
@@ -116,6 +121,20 @@ def data_config(cfg: TrainConfig, spec: Any, **overrides: Any) -> Any:
         raise ConfigError(f"dataset_config: {exc}") from exc
 
 
+def _unwrap(exc: BaseException) -> tuple[str, str]:
+    """`(type name, message)` of a data error, also when a DataLoader worker raised it (torch
+    re-raises it in the main process as its traceback text)."""
+    text = str(exc)
+    if "in DataLoader worker process" not in text:
+        return type(exc).__name__, text
+    lines = text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = re.match(r"^([\w.]+): (.*)$", lines[i])
+        if m and not lines[i].startswith(("Caught ", "Original ")):
+            return m.group(1).rsplit(".", 1)[-1], "\n".join([m.group(2), *lines[i + 1 :]])
+    return type(exc).__name__, text
+
+
 class TrainData:
     """The training stream for this rank: packed batches, resumable, with clear data errors."""
 
@@ -132,8 +151,9 @@ class TrainData:
                     "the training data ran out before max_steps (set dataset_config.num_epochs: null)"
                 ) from None
             except (ValueError, RuntimeError) as exc:
-                if type(exc).__name__ in ("BadRecordRatioExceeded", "BadRecordError"):
-                    lines = str(exc).splitlines()
+                name, text = _unwrap(exc)
+                if name in ("BadRecordRatioExceeded", "BadRecordError"):
+                    lines = text.splitlines()
                     example = next((ln.strip() for ln in lines[1:] if ln.strip()), "")
                     head = lines[0].removesuffix("; last examples:")
                     see = (
@@ -158,7 +178,12 @@ class TrainData:
         return self.loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        from lmms_data import DatasetChangedError
+
+        try:
+            self.loader.load_state_dict(state)
+        except DatasetChangedError as exc:
+            raise DataChangedError(str(exc)) from None
 
     def bad_records(self) -> int:
         return int(self.loader.metrics().get("records_bad", 0))
@@ -185,6 +210,18 @@ def _check_inputs(cfg: TrainConfig, spec: Any, dcfg: Any) -> None:
         )
 
 
+def _is_data_error(exc: Exception) -> bool:
+    """An lmms_data start-up error about the user's files (not a bug): a record/file shape it
+    cannot read (DataShapeError), an unreadable file under `bad_record_policy: raise`
+    (BadRecordError), a missing, empty or unrecognised file, or too few records for the slots."""
+    if isinstance(exc, FileNotFoundError):
+        return True
+    if type(exc).__name__ in ("DataShapeError", "BadRecordError"):
+        return True
+    text = str(exc)
+    return any(k in text for k in ("holds no records", "cannot detect the format", "got no data"))
+
+
 def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, Any]:
     """This rank's training stream and a callable giving the validation packs (or None)."""
     from lmms_data import build_dataloader, build_processor
@@ -199,10 +236,16 @@ def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, An
         ) from exc
     try:
         loader = build_dataloader(dcfg, processor, dp_rank=env.dp_rank, dp_world=env.dp_size)
-    except ValueError as exc:  # lmms_data.DataShapeError: a file or record shape it cannot read
-        if type(exc).__name__ != "DataShapeError":
+    except (ValueError, FileNotFoundError) as exc:  # what the files hold, found at discovery
+        if not _is_data_error(exc):
             raise
-        raise UserError(f"dataset_config.dataset_path: {exc}") from None
+        hint = (
+            " (dataset_config.bad_record_policy: raise; with `skip` the file is counted as a bad "
+            "record and the rest is read)"
+            if type(exc).__name__ == "BadRecordError"
+            else ""
+        )
+        raise UserError(f"dataset_config.dataset_path: {exc}{hint}") from None
     eval_data = None
     d, t = cfg.dataset_config, cfg.trainer_args
     if d.eval_dataset_path is not None and t.eval_steps > 0:

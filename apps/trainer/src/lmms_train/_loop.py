@@ -4,7 +4,7 @@ A step's metrics are read one step late: after step N's work is queued, step N-1
 norm (copied to pinned memory without waiting, `PendingScalars`) are read and logged, so the host
 stays a step ahead and never idles the device. Eval, checkpoints, a stop request and the last
 step read the current step at once (the device drains there anyway). A non-finite loss is
-therefore raised one step late, before anything is saved.
+therefore raised one step late, before anything is saved (`_guard`: the divergence guard).
 
 The next step's packs are read while this step's backward runs (`_fetch`: right after the last
 backward is queued, before the optimizer step), and the first of them is copied to the device
@@ -15,7 +15,6 @@ before that read, so resuming replays those packs.
 
 from __future__ import annotations
 
-import math
 import resource
 import signal
 import sys
@@ -31,6 +30,7 @@ from lmms_train._checkpoint import RunCheckpointer
 from lmms_train._dist import DistEnv
 from lmms_train._flops import mfu
 from lmms_train._gc_clock import GcClock
+from lmms_train._guard import DivergenceGuard, drop_update
 from lmms_train._metrics import MetricsLogger
 from lmms_train._profile import StepProfiler
 from lmms_train._slow_steps import SlowSteps
@@ -70,6 +70,8 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
     peak_flops: float = 1.0
     stop_requested: bool = False
+    stopped: bool = False  # the loop ended early on SIGTERM, after saving
+    guard: DivergenceGuard = field(default_factory=DivergenceGuard)  # non-finite values, flat runs
     slow_steps: SlowSteps = field(default_factory=SlowSteps)  # names one-off stalls on stderr
 
 
@@ -163,6 +165,7 @@ class _Queued:
     data_read: float
     evaluate: bool  # validation after this step (its metrics are then read at once)
     objective_metrics: tuple[str, ...] = ()  # names of the objective's (num, den) pairs in values
+    skipped: bool = False  # its update was dropped (non-finite gradient norm, `on_nonfinite: skip`)
 
 
 def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
@@ -191,6 +194,8 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
     for i, name in enumerate(q.objective_metrics):  # global sums: numerator / denominator
         num, den = pairs[2 * i], pairs[2 * i + 1]
         metrics[name] = num / den if den > 0 else float("nan")
+    if run.guard.policy == "skip":
+        metrics["skipped_steps"] = run.guard.skipped
     if q.evaluate:
         metrics["eval_loss"] = evaluate(run)
     if env.is_main:
@@ -198,8 +203,7 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
         slow = run.slow_steps.check(q.step, metrics)
         if slow:
             print(f"[lmms-train] slow {slow}", file=sys.stderr, flush=True)
-    if not math.isfinite(metrics["loss"]):
-        raise FloatingPointError(f"loss is {metrics['loss']} at step {q.step}")
+    run.guard.check(q.step, metrics["loss"], norm, skipped=q.skipped)  # raises on NaN/inf
     return metrics
 
 
@@ -250,8 +254,12 @@ def train_loop(run: Run) -> dict[str, Any]:
                 phases.mark("data")  # the next pack's copy to the device, not the optimizer's
             norm = grad_norm(run.optimizer, t.max_grad_norm, env.device)
             lr = run.scheduler.get_last_lr()[0]
-            run.optimizer.step()
-            run.scheduler.step()
+            skipped = run.guard.skip_update(run.state.step + 1, norm)  # False unless `skip`
+            if skipped:
+                drop_update(run.optimizer)
+            else:
+                run.optimizer.step()
+                run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
             phases.mark("optimizer")  # clipping, optimizer step, scheduler
             env.all_reduce_device_(loss_local)  # async on the device; no-op on one rank
@@ -290,7 +298,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             queued = _Queued(
                 step=step, clock=clock, values=values, host=host, phases=phases.take(),
                 global_count=global_count, data_wait=reduced["data_wait"], data_read=reduced["data_read"],
-                evaluate=evaluating, objective_metrics=names,
+                evaluate=evaluating, objective_metrics=names, skipped=skipped,
             )  # fmt: skip
             stop = reduced["stop"] > 0
             periodic = t.save_steps and step % t.save_steps == 0
@@ -300,6 +308,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             if periodic or final or stop:  # the loader's position after this step's packs
                 _save(run, upcoming.data_state if upcoming else run.data.state_dict())
             if stop:
+                run.stopped = True
                 if env.is_main:
                     print(
                         f"[lmms-train] SIGTERM: saved step {step} and stopped",

@@ -2,37 +2,60 @@
 
 Each concern lives in its own module (`_dist`, `_data_setup`, `_model_setup`, `_optim_setup`,
 `_checkpoint`, `_metrics`, `_loop`); this file only wires them in order and owns the run folder.
+
+The order puts what fails on the user's input before what costs time (docs/failures.md): the
+config and file-system checks (`_preflight`), the output folder's lock, the resume target and
+how its config differs, the data (every shard's metadata is read), then the model; the run's
+`config.yaml` is written only once the checkpoint to resume from has loaded, so a run that
+fails to start leaves the folder as it was.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from lmms_train._checkpoint import RunCheckpointer
+from lmms_train._checkpoint import RunCheckpointer, saved_config
 from lmms_train._data_setup import build_data, prepare_inputs
 from lmms_train._dist import DistEnv, init_distributed
-from lmms_train._errors import ConfigError
+from lmms_train._errors import ConfigError, UserError
 from lmms_train._flops import peak_flops_for
 from lmms_train._forward import make_forward
+from lmms_train._guard import DivergenceGuard, vocab_size_of
 from lmms_train._loop import Run, train_loop
 from lmms_train._metrics import ConsoleSink, JsonlSink, MetricsLogger, TensorBoardSink, WandbSink
 from lmms_train._model_setup import build_model, resolve_spec
 from lmms_train._oom import out_of_memory
 from lmms_train._optim_setup import build_optimizer, build_schedule
+from lmms_train._preflight import RunLock, config_differences, config_problems
 from lmms_train._state import TrainState, seed_everything
 from lmms_train.config import TrainConfig, config_to_dict
 
-__all__ = ["train"]
+__all__ = ["TrainOutcome", "run_training", "train"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainOutcome:
+    metrics: dict[str, Any]  # the last step's
+    stopped: bool  # ended early on SIGTERM, after writing a checkpoint (the CLI exits 75)
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train as configured; returns the last step's metrics (on every rank)."""
+    return run_training(cfg).metrics
+
+
+def run_training(cfg: TrainConfig) -> TrainOutcome:
+    """Train as configured; says whether the run finished or stopped on SIGTERM."""
     t = cfg.trainer_args
+    problems = config_problems(cfg)  # nothing started yet: every rank finds the same ones
+    if problems:
+        raise ConfigError(problems)
     env = init_distributed(
         device=t.device,
         sp=t.sp_ulysses_degree,
@@ -40,9 +63,29 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         fsdp=True if t.fsdp is None and t.fsdp_cpu_offload else t.fsdp,  # offload needs FSDP2
     )
     try:
-        return _train(cfg, env)
+        lock = RunLock(Path(t.output_dir))
+        _on_main(env, lock.acquire)  # one run per output folder
+        try:
+            return _train(cfg, env)
+        finally:
+            lock.release()
     finally:
         env.close()
+
+
+def _on_main(env: DistEnv, fn: Any) -> None:
+    """Run `fn` on rank 0; if it raises, every rank stops (rank 0 with its error)."""
+    error: BaseException | None = None
+    if env.is_main:
+        try:
+            fn()
+        except (UserError, OSError) as exc:
+            error = exc
+    (failed,) = env.all_reduce([float(error is not None)], op="max")
+    if error is not None:
+        raise error
+    if failed:
+        raise UserError("rank 0 could not start the run (its error says why)")
 
 
 def _build_mesh(cfg: TrainConfig, env: DistEnv) -> None:
@@ -80,23 +123,21 @@ def _sinks(cfg: TrainConfig, out: Path, resume_step: int | None) -> MetricsLogge
     return MetricsLogger(sinks)
 
 
-def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
+def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
     t = cfg.trainer_args
     out = Path(t.output_dir)
     _build_mesh(cfg, env)
     spec = resolve_spec(cfg)
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    checkpointer = RunCheckpointer(out, t.save_total_limit, config_to_dict(cfg))
+    resume = checkpointer.resolve(t.resume_from)
+    differences = _differences(cfg, env, resume)
     token_ids = prepare_inputs(cfg, env, spec)  # synthetic data / local processor if configured
+    data, eval_data = build_data(cfg, env, spec)  # reads every shard's metadata: before the model
     seed_everything(t.seed)
     built = build_model(cfg, env, spec, token_ids)
     optimizer = build_optimizer(built.model, spec, t, built.master)
     scheduler = build_schedule(optimizer, t)
-    data, eval_data = build_data(cfg, env, spec)
-    checkpointer = RunCheckpointer(out, t.save_total_limit)
     state = TrainState()
-    resume = checkpointer.resolve(t.resume_from)
     seed_everything(t.seed + 1000 * env.rank)  # per-rank streams (dropout etc.) after the init
     if resume is not None:
         checkpointer.load(
@@ -107,6 +148,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
             state=state,
             data=data,
             env=env,
+            on_data_change=t.on_data_change,
+            differences=differences,
         )
         if built.master is not None:
             built.master.copy_to_model()
@@ -116,6 +159,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
                 file=sys.stderr,
                 flush=True,
             )
+    if env.is_main:  # only now: a run that could not start leaves the folder's config alone
+        (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     logger = (
         _sinks(cfg, out, state.step if resume is not None else None)
         if env.is_main
@@ -144,6 +189,13 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         logger=logger,
         state=state,
         peak_flops=peak_flops_for(env.device, t.peak_flops),
+        guard=DivergenceGuard(
+            policy=t.on_nonfinite,
+            max_skips=t.max_nonfinite_skips,
+            vocab_size=vocab_size_of(built.hf_config),
+            last_good=checkpointer.latest_text,
+            announce=env.is_main,
+        ),
     )
     try:
         last = train_loop(run)
@@ -151,7 +203,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
         raise out_of_memory(exc, cfg, state.step + 1, env.device) from exc
     finally:
         logger.close()
-    if t.export_hf and state.step >= t.max_steps:
+    if t.export_hf and state.step >= t.max_steps and not run.stopped:
         from lmms_train._data_setup import _processor_path
         from lmms_train._export import export_run
 
@@ -159,7 +211,23 @@ def _train(cfg: TrainConfig, env: DistEnv) -> dict[str, Any]:
                    processor_path=_processor_path(cfg), dtype=t.export_dtype)  # fmt: skip
     if env.is_main:
         _plot_quietly(out)
-    return last
+    return TrainOutcome(metrics=last, stopped=run.stopped)
+
+
+def _differences(cfg: TrainConfig, env: DistEnv, resume: Path | None) -> list[str]:
+    """The model/data config keys that differ from the resume target's, said once."""
+    old = saved_config(resume) if resume is not None else None
+    if old is None:
+        return []
+    differences = config_differences(old, cfg)
+    if differences and env.is_main:
+        print(
+            f"[lmms-train] resuming from {resume} with a model/data config that differs from the "
+            f"checkpoint's: {'; '.join(differences)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return differences
 
 
 def _plot_quietly(out: Path) -> None:

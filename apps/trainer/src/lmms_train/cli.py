@@ -7,9 +7,12 @@
     lmms-train check-data CONFIG.yaml [--num-records N] the data path over N records: speed, tokens, media, bad records, a sample
     lmms-train convert-config ENGINE.yaml [-o OUT.yaml] rewrite an lmms-engine config (docs/migrating-from-lmms-engine.md)
     lmms-train --version                                versions of lmms packages, torch, transformers
+    --debug (anywhere)                                  show the traceback of user errors too
 
-Problems with the user's input end with one line on stderr and exit code 2; set
-`LMMS_TRAIN_DEBUG=1` to see the traceback.
+Exit codes (docs/failures.md): 0 finished; 2 a problem with the user's input (config, data, file
+system), shown as one `lmms-train: error: ...` line per problem; 75 stopped by SIGTERM after saving
+a checkpoint (requeue the job: `resume_from: auto` continues it); 130 Ctrl-C; 1 a bug in lmms (with
+its traceback). `--debug` (or `LMMS_TRAIN_DEBUG=1`) shows the traceback of user errors too.
 """
 
 from __future__ import annotations
@@ -18,18 +21,30 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lmms_train._errors import UserError
+from lmms_train._errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_STOPPED,
+    EXIT_USER_ERROR,
+    ConfigError,
+    UserError,
+    os_error_message,
+)
 
 __all__ = ["main"]
 
 _USAGE = __doc__.split("\n\n")[1]
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = EXIT_USER_ERROR) -> int:
+    """Print `message` as `lmms-train: error:` lines (one per line of it) and return `code`."""
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-    print(f"lmms-train: error: {prefix}{message}", file=sys.stderr, flush=True)
-    return 2
+    lines = message.splitlines() or [""]
+    print(f"lmms-train: error: {prefix}{lines[0]}", file=sys.stderr, flush=True)
+    for line in lines[1:]:
+        print(f"lmms-train: error: {prefix}{line}" if line.strip() else "", file=sys.stderr)
+    return code
 
 
 def _split_args(argv: Sequence[str]) -> tuple[str, list[str]]:
@@ -42,7 +57,9 @@ def _split_args(argv: Sequence[str]) -> tuple[str, list[str]]:
         else:
             config = arg
     if not config:
-        raise UserError("no config file given\n" + _USAGE)
+        raise UserError(
+            "no config file given: lmms-train CONFIG.yaml [section.key=value ...] (see --help)"
+        )
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise UserError(f"unexpected argument {bad[0]!r}: overrides look like section.key=value")
@@ -76,25 +93,34 @@ def _run(argv: list[str]) -> int:
     if argv[0] in SUBCOMMANDS:
         return SUBCOMMANDS[argv[0]](argv[1:])
     config_path, overrides = _split_args(argv)
+    from lmms_train._preflight import config_problems
     from lmms_train.config import load_config
 
-    cfg = load_config(config_path, overrides)
-    from lmms_train._trainer import train
+    cfg = load_config(config_path, overrides, checks=config_problems)
+    from lmms_train._trainer import run_training
 
-    train(cfg)
-    return 0
+    outcome = run_training(cfg)
+    return EXIT_STOPPED if outcome.stopped else EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `lmms-train` script; returns (and exits with) the status code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = os.environ.get("LMMS_TRAIN_DEBUG") == "1"
+    debug = os.environ.get("LMMS_TRAIN_DEBUG") == "1" or "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     try:
         code = _run(argv)
     except UserError as exc:
         if debug:
             raise
-        code = _fail(str(exc))
+        many = isinstance(exc, ConfigError) and len(exc.problems) > 1
+        head = f"{len(exc.problems)} problems in the configuration:\n" if many else ""
+        code = _fail(head + str(exc))
+    except OSError as exc:  # disk full, no permission, read-only: the machine, not lmms
+        message = os_error_message(exc)
+        if message is None or debug:
+            raise
+        code = _fail(message)
     except KeyboardInterrupt:
-        code = _fail("interrupted")
+        code = _fail("interrupted (Ctrl-C): stopped without saving", EXIT_INTERRUPTED)
     return code

@@ -22,7 +22,14 @@ from lmms_data._collate import MEDIA_KEYS, collate_packed_batch
 from lmms_data._config import DatasetConfig
 from lmms_data._errors import BAD_REASONS, BadRecordError, BadRecordRatioExceeded, BadRecordStats
 from lmms_data._latent import LatentLoader, build_latent_loader
-from lmms_data._loader import PackedLoader, build_dataloader, build_dataset, build_processor
+from lmms_data._loader import (
+    DatasetChangedError,
+    PackedLoader,
+    build_dataloader,
+    build_dataset,
+    build_processor,
+    dataset_fingerprint,
+)
 from lmms_data._local_processor import SPECIAL_TOKENS, build_local_processor
 from lmms_data._readers import Unit, discover_units, iter_unit
 from lmms_data._records import normalise
@@ -63,6 +70,7 @@ __all__ = [
     "BadRecordError",
     "BadRecordRatioExceeded",
     "BadRecordStats",
+    "DatasetChangedError",
     "DatasetConfig",
     "LatentLoader",
     "PackedLoader",
@@ -80,6 +88,7 @@ __all__ = [
     "build_processor",
     "check_keys",
     "collate_packed_batch",
+    "dataset_fingerprint",
     "decode_audio",
     "discover_units",
     "generate_synthetic_audio",

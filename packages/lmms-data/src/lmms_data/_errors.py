@@ -22,6 +22,7 @@ BAD_REASONS = (
     "unsupported_media",  # a media kind the processor cannot handle
     "media_mismatch",  # placeholder count != media count
     "too_long",  # longer than packing_length
+    "corrupt_file",  # a truncated/corrupt Parquet or Arrow file, row group or batch, or gzip
 )
 
 

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from lmms_data._config import DatasetConfig
-from lmms_data._errors import BadRecordStats
-from lmms_data._readers import Unit, discover_units
+from lmms_data._errors import BadRecordError, BadRecordStats, logger
+from lmms_data._readers import Unit, discover_units, list_files, unreadable_reason
 from lmms_data._registry import PROCESSOR_REGISTRY
 from lmms_data._shape import check_shape
 from lmms_data._stream import SlotStream
@@ -47,9 +47,48 @@ def build_processor(
 
 
 def discover(cfg: DatasetConfig, n_slots: int) -> list[list[Unit]]:
+    """Every source's units. An unreadable Parquet/Arrow file stops here under
+    ``bad_record_policy: raise``; under ``skip`` it is named now and counted when reached."""
     sources = [discover_units(p, cfg.dataset_format, n_slots) for p in cfg.paths]
+    for file in sorted({u.file for units in sources for u in units if u.fmt == "corrupt"}):
+        reason = unreadable_reason(file, "parquet" if file.endswith(".parquet") else "arrow")
+        if cfg.bad_record_policy == "raise":
+            raise BadRecordError("corrupt_file", f"unreadable file: {reason}", file)
+        logger.warning("skipping unreadable file %s: %s", file, reason)
     check_shape(cfg, sources)  # one line naming the accepted shapes, not N bad records later
     return sources
+
+
+class DatasetChangedError(ValueError):
+    """The dataset files differ from those a loader state was saved with."""
+
+
+def dataset_fingerprint(cfg: DatasetConfig) -> list[list[list[Any]]]:
+    """Per ``dataset_path`` entry, ``[name, size]`` of each file (names relative to the entry,
+    so a moved dataset keeps its fingerprint). Sizes, not contents: cheap for any dataset; an
+    edit that keeps a file's size is not seen."""
+    out = []
+    for path in cfg.paths:
+        files = [f for f, _ in list_files(path, cfg.dataset_format)]
+        base = path if os.path.isdir(path) else os.path.dirname(os.path.commonpath(files))
+        out.append([[os.path.relpath(f, base), os.path.getsize(f)] for f in files])
+    return out
+
+
+def _fingerprint_changes(old: list, new: list) -> str:
+    """``"a.parquet: 1200 -> 1100 bytes; 1 file(s) added (e.g. b.parquet)"``, for the first
+    source that differs."""
+    for i, (a, b) in enumerate(zip(old, new, strict=False)):
+        if a == b:
+            continue
+        was, now = dict(map(tuple, a)), dict(map(tuple, b))
+        parts = [f"{f}: {was[f]} -> {now[f]} bytes" for f in was if f in now and was[f] != now[f]]
+        for label, names in (("added", now.keys() - was), ("removed", was.keys() - now)):
+            if names:
+                parts.append(f"{len(names)} file(s) {label} (e.g. {sorted(names)[0]})")
+        where = f"dataset_path[{i}]" if len(new) > 1 else "the dataset files"
+        return f"{where} changed: {'; '.join(parts[:3])}"
+    return f"the dataset has {len(new)} path(s), the saved state {len(old)}"
 
 
 def _is_hf_processor(p: Any) -> bool:
@@ -125,6 +164,7 @@ class PackedLoader:
             )
         self.processor = processor
         self.units = discover(cfg, self.n_slots)
+        self.fingerprint = dataset_fingerprint(cfg)
         self._states: dict[int, dict] = {}
         self._next = 0
 
@@ -157,6 +197,7 @@ class PackedLoader:
             "num_workers": self.W,
             "next_worker": self._next,
             "workers": {str(k): v for k, v in self._states.items()},
+            "fingerprint": self.fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -167,6 +208,9 @@ class PackedLoader:
                 f"data state saved for (dp_rank, dp_world, num_workers)={theirs}, loader has {mine}: "
                 "resume with the same layout"
             )
+        saved = state.get("fingerprint")  # absent in states written before it was recorded
+        if saved is not None and saved != self.fingerprint:
+            raise DatasetChangedError(_fingerprint_changes(saved, self.fingerprint))
         self._states = {int(k): v for k, v in state["workers"].items()}
         self._next = state["next_worker"]
 

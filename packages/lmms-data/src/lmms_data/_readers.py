@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -120,7 +121,35 @@ def _open_arrow(file: str) -> tuple[str, Any]:
         return "arrow_stream", pa.ipc.open_stream(src)
 
 
+# Errors pyarrow raises for a truncated or corrupt Parquet/Arrow file (ArrowInvalid is a
+# ValueError, ArrowIOError an OSError).
+_CORRUPT = (pa.ArrowException, OSError, EOFError, zlib.error)
+
+
+def unreadable_reason(file: str, fmt: str) -> str | None:
+    """Why ``file``'s Parquet footer / Arrow schema cannot be read (one line), or None."""
+    try:
+        _file_units(file, fmt)
+    except _CORRUPT as e:
+        return " ".join(str(e).split())[:300] or type(e).__name__
+    return None
+
+
 def file_units(file: str, fmt: str) -> list[Unit]:
+    """The units of one file. An empty file has none; a Parquet/Arrow file whose metadata cannot
+    be read (truncated, corrupt) is one unit of format ``corrupt``, which yields one bad record
+    of reason ``corrupt_file``: skipped and counted, or raised under ``bad_record_policy: raise``."""
+    if os.path.getsize(file) == 0:
+        return []
+    try:
+        return _file_units(file, fmt)
+    except _CORRUPT:
+        if fmt not in ("parquet", "arrow"):
+            raise
+        return [Unit(file, "corrupt", 0, 0, 1, -1)]
+
+
+def _file_units(file: str, fmt: str) -> list[Unit]:
     if fmt == "parquet":
         md = pq.ParquetFile(file).metadata
         units, base = [], 0
@@ -179,7 +208,14 @@ def discover_units(path: str, fmt: str | None, min_units: int) -> list[Unit]:
         k = math.ceil(min_units / len(units))
         units = [s for u in units for s in split_unit(u, k)]
     if not units:
-        raise ValueError(f"dataset_path {path!r} holds no records")
+        files = [f for f, _ in list_files(path, fmt)]
+        empty = [f for f in files if os.path.getsize(f) == 0]
+        what = (
+            f"{len(empty)} of {len(files)} file(s) are empty, e.g. {empty[0]!r}"
+            if empty
+            else ("its files have no rows")
+        )
+        raise ValueError(f"dataset_path {path!r} holds no records ({what})")
     return units
 
 
@@ -226,15 +262,41 @@ def iter_unit(unit: Unit, pos: int | None = None) -> Iterator[tuple[int, int, An
         yield from iter_array(unit.file, unit.lo, unit.hi, pos)
         return
     if unit.fmt == "jsonl.gz":
-        with gzip.open(unit.file, "rb") as f:
-            for i, line in enumerate(f):
-                if unit.hi >= 0 and i >= unit.hi:
-                    break
-                if i >= start and line.strip():
-                    yield i, i + 1, line
+        i = -1
+        try:
+            with gzip.open(unit.file, "rb") as f:
+                for i, line in enumerate(f):
+                    if unit.hi >= 0 and i >= unit.hi:
+                        break
+                    if i >= start and line.strip():
+                        yield i, i + 1, line
+        except _CORRUPT as e:  # a truncated gzip: the rest of the file is one bad record
+            at = max(i + 1, start)
+            detail = " ".join(str(e).split())[:200] or type(e).__name__
+            yield at, at + 1, BadRecordError("corrupt_file", f"unreadable from line {at}: {detail}")
         return
-    for i, row in _iter_rows(unit, start):
-        yield i, i + 1, row
+    if unit.fmt == "corrupt":
+        yield 0, 1, _corrupt(unit)
+        return
+    at = start  # the next row: a corrupt part is one bad record from there to the unit's end
+    try:
+        for i, row in _iter_rows(unit, start):
+            at = i + 1
+            yield i, i + 1, row
+    except _CORRUPT as e:
+        yield at, unit.hi, _corrupt(unit, e)
+
+
+def _corrupt(unit: Unit, exc: BaseException | None = None) -> BadRecordError:
+    """The bad record standing for an unreadable file (``corrupt`` unit) or part of one."""
+    if exc is None:
+        reason = unreadable_reason(
+            unit.file, "parquet" if unit.file.endswith(".parquet") else "arrow"
+        )
+        return BadRecordError("corrupt_file", f"unreadable file: {reason}", unit.file)
+    part = "row group" if unit.fmt == "parquet" else "record batch"
+    detail = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return BadRecordError("corrupt_file", f"{part} {unit.part} is unreadable: {detail}", unit.file)
 
 
 def _iter_rows(unit: Unit, start: int) -> Iterator[tuple[int, dict]]:
@@ -288,10 +350,15 @@ def read_at(unit: Unit, positions: list[int]) -> dict[int, Any]:
                 if i >= last:
                     break
         return out
-    if unit.fmt == "parquet":
-        table = pq.ParquetFile(unit.file).read_row_group(unit.part)
-    else:
-        table = _arrow_batch(unit)
+    try:
+        if unit.fmt == "corrupt":
+            raise OSError("unreadable file")
+        if unit.fmt == "parquet":
+            table = pq.ParquetFile(unit.file).read_row_group(unit.part)
+        else:
+            table = _arrow_batch(unit)
+    except _CORRUPT as e:
+        return {p: _corrupt(unit, None if unit.fmt == "corrupt" else e) for p in want}
     for p in want:
         out[p] = table.slice(p, 1).to_pylist()[0]
     return out
@@ -304,4 +371,12 @@ def decode_raw(unit: Unit, pos: int, ordinal: int, raw: Any) -> dict | BadRecord
     return raw
 
 
-__all__ = ["Unit", "decode_raw", "detect_format", "discover_units", "iter_unit", "read_at"]
+__all__ = [
+    "Unit",
+    "decode_raw",
+    "detect_format",
+    "discover_units",
+    "iter_unit",
+    "read_at",
+    "unreadable_reason",
+]

@@ -5,6 +5,8 @@ shards; any world size can read them back: DCP reshards on load), ``extra_rank{r
 data and RNG state of rank ``r``: tensors and plain Python values, loaded with
 ``weights_only=True``) and ``COMPLETE``. A save is written into ``step_000123.tmp`` and renamed by
 rank 0 after a barrier, so a crash mid-save leaves the last complete checkpoint as ``latest()``.
+A save that fails on any rank (disk full, no permission) removes the partial ``.tmp`` and raises
+on every rank, leaving the earlier checkpoints as they were.
 
 Model and optimizer state go through ``get_state_dict`` / ``set_state_dict``, which key the
 optimizer state by parameter name: any ``torch.optim.Optimizer`` (AdamW, lmms-optim's Muon)
@@ -13,6 +15,7 @@ round-trips, also across world sizes.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 __all__ = ["Checkpointer"]
@@ -81,19 +85,33 @@ class Checkpointer:
         """Write the checkpoint of ``step`` atomically; returns its final path."""
         final = self.path(step)
         tmp = final.with_name(final.name + ".tmp")
+        failed: BaseException | None = None
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
-        state = _model_optim_state(model, optimizer)
-        dcp.save(state, checkpoint_id=str(tmp))
-        torch.save(extra_state or {}, tmp / f"extra_rank{_rank()}.pt")
-        _barrier()
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as exc:
+                failed = exc
+        _fail_together(failed, tmp)  # also the barrier: the folder exists for every rank
+        try:
+            state = _model_optim_state(model, optimizer)
+            dcp.save(state, checkpoint_id=str(tmp))
+            buf = io.BytesIO()  # serialised in memory, written by Python: a full disk is an OSError
+            torch.save(extra_state or {}, buf)
+            (tmp / f"extra_rank{_rank()}.pt").write_bytes(buf.getvalue())
+        except (OSError, CheckpointException) as exc:  # disk full, permissions: any rank
+            failed = exc
+        _fail_together(failed, tmp)
         if _rank() == 0:
-            (tmp / "COMPLETE").write_text(f"{step}\n")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            try:
+                (tmp / "COMPLETE").write_text(f"{step}\n")
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+            except OSError as exc:
+                failed = exc
+        _fail_together(failed, tmp)
+        if _rank() == 0:
             _fsync_dir(self.root)
             for old in self.steps()[: -self.keep_last]:
                 shutil.rmtree(self.path(old), ignore_errors=True)
@@ -129,6 +147,26 @@ class Checkpointer:
         if not extra.exists():
             extra = path / "extra_rank0.pt"
         return torch.load(extra, map_location="cpu", weights_only=True)
+
+
+def _fail_together(failed: BaseException | None, tmp: Path) -> None:
+    """Collective: if the save failed on any rank, remove the partial ``tmp`` (rank 0) and raise
+    on every rank (the failing rank's own error; the others a RuntimeError naming it), so no
+    rank waits at a barrier for one that gave up. The previous checkpoints are not touched."""
+    flags = [failed is not None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, failed is not None)
+        flags = gathered
+    if not any(flags):
+        return
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    if failed is not None:
+        raise failed
+    ranks = [r for r, f in enumerate(flags) if f]
+    raise RuntimeError(f"checkpoint save failed on rank(s) {ranks}; {tmp} was removed")
 
 
 def _model_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:

@@ -7,10 +7,12 @@ safely) is a few dozen lines; libraries add a dependency and their own error sty
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,13 +24,26 @@ from lmms_train.config._schema import TrainConfig
 __all__ = ["apply_overrides", "config_from_dict", "config_to_dict", "load_config"]
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Read a YAML file, apply `key.sub=value` overrides, return a validated `TrainConfig`."""
+def load_config(
+    path: str | Path, overrides: Sequence[str] = (), *, checks: Checks | None = None
+) -> TrainConfig:
+    """Read a YAML file, apply `key.sub=value` overrides, return a validated `TrainConfig`.
+
+    Every problem of the file is reported at once (one `ConfigError` listing them), including
+    those `checks(cfg)` returns (the trainer's registry and file-system checks)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    data = path.read_bytes()
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte {data[exc.start]:#04x} on line {line}): save it as UTF-8"
+        ) from None
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"malformed YAML in {path}: {_one_line(exc)}") from None
     from lmms_train._convert_config import accept_engine
@@ -39,7 +54,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
             f"{path}: the top level must be a mapping with sections, got {type(raw).__name__}"
         )
     raw = apply_overrides(raw, overrides)
-    return config_from_dict(raw)
+    return config_from_dict(raw, checks=checks)
 
 
 def _one_line(exc: Exception) -> str:
@@ -69,26 +84,60 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     return raw
 
 
-def config_from_dict(raw: Mapping[str, Any]) -> TrainConfig:
-    """Convert a nested dict into a validated `TrainConfig` (errors name the dotted key)."""
-    cfg = _build(TrainConfig, raw, "")
-    validate(cfg)
+Checks = Callable[[TrainConfig], list[str]]
+
+# Problems found so far by the pass in progress (`_collecting`); outside one, `_report` raises.
+_PROBLEMS: list[list[str]] = []
+
+
+@contextlib.contextmanager
+def _collecting() -> Iterator[list[str]]:
+    """Collect every problem `_report`/`_check` sees inside the block instead of raising."""
+    _PROBLEMS.append([])
+    try:
+        yield _PROBLEMS[-1]
+    finally:
+        _PROBLEMS.pop()
+
+
+def _report(message: str) -> None:
+    if not _PROBLEMS:
+        raise ConfigError(message)
+    if message not in _PROBLEMS[-1]:
+        _PROBLEMS[-1].append(message)
+
+
+def config_from_dict(raw: Mapping[str, Any], *, checks: Checks | None = None) -> TrainConfig:
+    """Convert a nested dict into a validated `TrainConfig` (errors name the dotted key).
+
+    A key with a bad value keeps its default while the rest is checked, so one `ConfigError`
+    lists every problem (`.problems`); `checks(cfg)` adds the caller's own."""
+    with _collecting() as problems:
+        cfg = _build(TrainConfig, raw, "")
+        _validate(cfg)
+        if checks is not None:  # a bad key kept its default above: its checks still run
+            problems.extend(p for p in checks(cfg) if p not in problems)
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+        _report(f"{where or 'config'}: expected a mapping, got {data!r}")
+        data = {}
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
         dotted = f"{where}.{key}" if where else str(key)
         if key not in names:
-            raise ConfigError(
-                f"unknown key {dotted!r}{suggest(key, names)}; valid keys: {', '.join(names)}"
-            )
-        kwargs[key] = _coerce(value, hints[key], dotted)
+            _report(f"unknown key {dotted!r}{suggest(key, names)}; valid keys: {', '.join(names)}")
+            continue
+        try:
+            kwargs[key] = _coerce(value, hints[key], dotted)
+        except ConfigError as exc:  # keep the default and go on: all problems in one report
+            _report(str(exc))
     return cls(**kwargs)
 
 
@@ -162,11 +211,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 def _check(cond: bool, message: str) -> None:
     if not cond:
-        raise ConfigError(message)
+        _report(message)
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Cross-field checks that need no model, data or process group."""
+    """Cross-field checks that need no model, data or process group (all problems at once)."""
+    with _collecting() as problems:
+        _validate(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _validate(cfg: TrainConfig) -> None:
     m, d, t = cfg.model_config, cfg.dataset_config, cfg.trainer_args
     _check(
         (m.load_from_pretrained_path is None) != (m.load_from_config is None),
@@ -195,7 +251,28 @@ def validate(cfg: TrainConfig) -> None:
     _check(
         t.gradient_accumulation_steps >= 1, "trainer_args.gradient_accumulation_steps must be >= 1"
     )
-    _check(t.learning_rate >= 0, "trainer_args.learning_rate must be >= 0")
+    _check(
+        math.isfinite(t.learning_rate) and t.learning_rate > 0,
+        f"trainer_args.learning_rate must be a finite number > 0, got {t.learning_rate!r}",
+    )
+    _check(
+        t.muon_learning_rate is None
+        or (math.isfinite(t.muon_learning_rate) and t.muon_learning_rate > 0),
+        f"trainer_args.muon_learning_rate must be a finite number > 0, got {t.muon_learning_rate!r}",
+    )
+    _check(
+        math.isfinite(t.weight_decay) and t.weight_decay >= 0,
+        f"trainer_args.weight_decay must be a finite number >= 0, got {t.weight_decay!r}",
+    )
+    for key in ("adam_beta1", "adam_beta2", "muon_momentum"):
+        _check(0 <= getattr(t, key) < 1, f"trainer_args.{key} must be in [0, 1)")
+    _check(t.adam_epsilon > 0, "trainer_args.adam_epsilon must be > 0")
+    _check(
+        0 <= d.max_bad_record_ratio <= 1, "dataset_config.max_bad_record_ratio must be in [0, 1]"
+    )
+    _check(t.logging_steps >= 1, "trainer_args.logging_steps must be >= 1")
+    _check(t.max_nonfinite_skips >= 1, "trainer_args.max_nonfinite_skips must be >= 1")
+    _check(t.eval_batches >= 1, "trainer_args.eval_batches must be >= 1")
     _check(t.max_grad_norm >= 0, "trainer_args.max_grad_norm must be >= 0 (0 disables clipping)")
     _check(0 <= t.warmup_ratio < 1, "trainer_args.warmup_ratio must be in [0, 1)")
     _check(0 <= t.min_lr_ratio <= 1, "trainer_args.min_lr_ratio must be in [0, 1]")

@@ -349,6 +349,22 @@ class TrainerArgs:
     resume_from: str | None = _f(
         None, "`latest` (error if none), `auto` (latest if any), or a checkpoint folder."
     )
+    on_data_change: Literal["error", "restart"] = _f(
+        "error",
+        "Resuming when the dataset files differ from those the checkpoint recorded (names, "
+        "sizes, row counts): `error` names what changed; `restart` loads model and optimizer and "
+        "restarts the data order from the dataset's seed.",
+    )
+    # divergence guard
+    on_nonfinite: Literal["stop", "skip"] = _f(
+        "stop",
+        "A non-finite loss or gradient norm: `stop` (one line naming the step, the quantity and "
+        "the last good checkpoint; nothing is saved) or `skip` (the step's update is dropped and "
+        "counted in `skipped_steps`; costs one host synchronisation per step).",
+    )
+    max_nonfinite_skips: int = _f(
+        10, "`on_nonfinite: skip`: stop anyway after this many skipped steps in a row."
+    )
     # metrics
     report_to: list[str] = _f(
         ["console"],
