@@ -19,13 +19,15 @@ FAMILIES = [
 ]
 DIFFUSION_FAMILIES = ["sit", "wan"]  # flow matching: tests/test_diffusion_families.py
 AUDIO_FAMILIES = ["qwen2_audio"]  # audio towers: tests/test_audio_families.py
+# linear attention (Gated DeltaNet): tests/test_linear_families.py
+LINEAR_FAMILIES = ["fla_gated_deltanet", "qwen3_5", "qwen3_5_moe"]
 
 
 def test_registry_lists_families_and_refuses_duplicates():
-    assert list_models() == sorted(FAMILIES + DIFFUSION_FAMILIES + AUDIO_FAMILIES)
+    assert list_models() == sorted(FAMILIES + DIFFUSION_FAMILIES + AUDIO_FAMILIES + LINEAR_FAMILIES)
     with pytest.raises(ValueError, match="already registered"):
         register_model("qwen2")(type("Dup", (ModelSpec,), {}))
-    with pytest.raises(KeyError, match=r"Did you mean 'qwen2_5_vl'.*Registered: qwen2, qwen2_5"):
+    with pytest.raises(KeyError, match=r"Did you mean 'qwen2_5_vl'.*Registered: .*qwen2, qwen2_5"):
         get_model_spec("qwen25_vl")
     assert MODEL_REGISTRY["qwen3_vl"].name == "qwen3_vl"
 

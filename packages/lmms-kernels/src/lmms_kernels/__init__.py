@@ -12,6 +12,13 @@ from ._compile import (
 )
 from ._flce import fused_linear_cross_entropy
 from ._hf import register_varlen_attention
+from ._linear_attention import (
+    LINEAR_BACKENDS,
+    causal_conv1d_varlen,
+    gated_delta_rule_varlen,
+    gated_rms_norm,
+    resolve_linear_backend,
+)
 from ._liger import LIGER_FAMILIES, PatchHandle, apply_liger
 from ._moe import (
     EXPERTS_BACKENDS,
@@ -26,10 +33,12 @@ __all__ = [
     "BACKENDS",
     "EXPERTS_BACKENDS",
     "LIGER_FAMILIES",
+    "LINEAR_BACKENDS",
     "CompileHandle",
     "PatchHandle",
     "apply_liger",
     "available_backends",
+    "causal_conv1d_varlen",
     "compile_blocks",
     "compile_counts",
     "describe_new_fa4_kernels",
@@ -38,10 +47,13 @@ __all__ = [
     "fa4_kernel_keys",
     "fa4_variants",
     "fused_linear_cross_entropy",
+    "gated_delta_rule_varlen",
+    "gated_rms_norm",
     "grouped_experts",
     "grouped_mm_available",
     "register_experts",
     "register_varlen_attention",
     "resolve_backend",
+    "resolve_linear_backend",
     "varlen_attention",
 ]

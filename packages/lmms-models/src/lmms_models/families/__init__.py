@@ -1,12 +1,15 @@
 """One folder per model family; importing this package registers them all."""
 
 from . import (  # noqa: F401
+    fla,
     llava_onevision,
     qwen2,
     qwen2_5,
     qwen2_5_vl,
     qwen2_audio,
     qwen3,
+    qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
     qwen3_vl,
     qwen3_vl_moe,

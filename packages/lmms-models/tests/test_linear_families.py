@@ -1,0 +1,245 @@
+"""Linear-attention families (Qwen3.5, Qwen3.5-MoE, flash-linear-attention's Gated DeltaNet):
+packed == unpacked (loss, gradients) with a sample ending mid-chunk past one chunk, a length-1
+sample, images and video, tail padding; no state leak between samples of a pack; the packed
+mixers come off bit for bit; FLOPs counts against the built modules.
+
+Qwen3.5's reference is transformers' own unpacked forward (its torch fallbacks on CPU). The fla
+family's layers run Triton only, so on CPU its reference is each sample alone through the same
+model (one segment per call); the GPU test compares against fla's own layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmms_models import get_model_spec
+from lmms_models._linear_attention import LinearMixerHandle
+from lmms_models._linear_spec import delta_rule_flops_per_token
+from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
+
+QWEN_FAMILIES = ["qwen3_5", "qwen3_5_moe"]
+FLA_FAMILIES = ["fla_gated_deltanet"]
+LINEAR_FAMILIES = QWEN_FAMILIES + FLA_FAMILIES
+
+
+def _samples(spec, model, seed=1):
+    # 75 tokens: past one 64-token chunk, ending mid-chunk; a length-1 sample; media samples
+    ss = [SampleSpec(text=75), SampleSpec(text=1, prompt=0), SampleSpec(text=7, prompt=3)]
+    if "pixel_values" in spec.media_keys:
+        ss += [
+            SampleSpec(text=6, images=[(1, 4, 4), (1, 2, 6)]),
+            SampleSpec(text=5, videos=[(2, 4, 4)]),
+        ]
+    gen = torch.Generator().manual_seed(seed)
+    return [make_sample(spec, model.config, s, gen=gen) for s in ss]
+
+
+def _grads(model):
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _fla_reference(spec, model, samples):
+    """Σ over samples of each sample alone (one segment) through the packed forward."""
+    total, count = torch.zeros(()), 0
+    for s in samples:
+        loss, n = spec.packed_forward(model, pack_samples(spec, model, [s]))
+        total, count = total + loss, count + int(n)
+    return total, count
+
+
+@pytest.mark.parametrize("name", LINEAR_FAMILIES)
+def test_packed_matches_unpacked(name):
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    upstream = name in QWEN_FAMILIES
+    model = spec.build(
+        config=spec.tiny_config(), attn_backend="sdpa" if upstream else "varlen_sdpa"
+    )
+    samples = _samples(spec, model)
+    if upstream:
+        ref, n_ref = reference_loss_sum(spec, model, samples)
+    else:
+        ref, n_ref = _fla_reference(spec, model, samples)
+    ref.backward()
+    g_ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    total = sum(s["input_ids"].numel() for s in samples)
+    batch = pack_samples(spec, model, samples, pad_to=total + 3)
+    names = spec.set_attention(model, backend="varlen_sdpa")
+    assert names["linear"] == "lmms_auto"
+    loss, count = spec.packed_forward(model, batch)
+    loss.backward()
+    g_packed = _grads(model)
+    assert int(count) == n_ref == batch["num_loss_tokens"]
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    assert g_packed.keys() == g_ref.keys()
+    assert any("A_log" in k for k in g_packed) and any("conv1d" in k for k in g_packed)
+    for k in g_ref:
+        scale = g_ref[k].abs().max().clamp_min(1e-3)
+        torch.testing.assert_close(g_packed[k] / scale, g_ref[k] / scale, rtol=0, atol=1e-4, msg=k)
+    # the check can fail: one segment for the whole row carries state across samples
+    bad = dict(batch, cu_seqlens=torch.tensor([0, total + 3], dtype=torch.int32))
+    bad["max_seqlen"] = total + 3
+    with torch.no_grad():
+        wrong, _ = spec.packed_forward(model, bad)
+    assert not torch.allclose(wrong, loss.detach(), rtol=1e-4)
+
+
+def _last_hidden(spec, model, batch):
+    seen = []
+    hook = spec.text_model(model).register_forward_hook(
+        lambda _m, _a, out: seen.append(out.last_hidden_state.detach())
+    )
+    try:
+        with torch.no_grad():
+            spec.packed_forward(model, batch)
+    finally:
+        hook.remove()
+    return seen[0][0]  # [T, H]
+
+
+@pytest.mark.parametrize("name", LINEAR_FAMILIES)
+def test_no_state_leak_between_samples(name):
+    """Changing sample A moves none of sample B's outputs in the same pack (every layer: conv,
+    recurrence, softmax attention); with one segment (the leak) it does."""
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
+    gen = torch.Generator().manual_seed(5)
+    a, b = (make_sample(spec, model.config, SampleSpec(text=n), gen=gen) for n in (70, 20))
+    a2 = dict(a, input_ids=torch.randint(0, 1000, a["input_ids"].shape, generator=gen))
+    h1 = _last_hidden(spec, model, pack_samples(spec, model, [a, b]))
+    h2 = _last_hidden(spec, model, pack_samples(spec, model, [a2, b]))
+    assert not torch.allclose(h1[:70], h2[:70])
+    torch.testing.assert_close(h1[70:], h2[70:], rtol=0, atol=1e-6)
+    one = dict(
+        pack_samples(spec, model, [a2, b]), cu_seqlens=torch.tensor([0, 90], dtype=torch.int32)
+    )
+    h3 = _last_hidden(spec, model, one)
+    assert not torch.allclose(h3[70:], h1[70:], atol=1e-3)
+
+
+def test_mixers_come_off_bit_for_bit():
+    """Switching to lmms' mixers and back leaves the upstream model's output bit-identical; the
+    handle of an installation removes it."""
+    torch.manual_seed(0)
+    spec = get_model_spec("qwen3_5")
+    model = spec.build(config=spec.tiny_config(), attn_backend="sdpa")
+    ids = torch.randint(0, 1000, (1, 20))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        spec.set_attention(model, backend="varlen_sdpa")
+        assert all("forward" in vars(m) for m in spec.linear_mixers(model))
+        spec.set_attention(model, backend="sdpa")
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+    handle = spec.set_linear_backend(model, "torch")
+    assert all(m._lmms_mixer.backend == "torch" for m in spec.linear_mixers(model))
+    handle.remove()
+    assert not any("forward" in vars(m) for m in spec.linear_mixers(model))
+    LinearMixerHandle(spec.linear_mixers(model)).remove()  # idempotent
+
+
+def _params(module, skip=()):
+    return sum(p.numel() for n, p in module.named_parameters() if not any(s in n for s in skip))
+
+
+@pytest.mark.parametrize("name", LINEAR_FAMILIES)
+def test_flops_params_match_module(name):
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), device="meta")
+    if name == "qwen3_5_moe":
+        cfg = spec.text_config(model.config)
+        inactive = cfg.num_hidden_layers * (4 - 2) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    else:
+        inactive = 0
+    expected = _params(model, skip=("embed_tokens", "embeddings", "visual")) - inactive
+    assert spec.lm_matmul_params(model.config) == expected
+    if spec.vision_tower(model) is not None:
+        p = spec.vision_matmul_params(model.config)
+        assert p["per_patch"] + p["per_merged"] == _params(
+            spec.vision_tower(model), skip=("pos_embed",)
+        )
+
+
+def test_lm_flops_hybrid_hand_count():
+    """Qwen3.5 tiny: 2 linear layers (4 value heads, Dk = Dv = 16), 1 softmax layer (4 x 16)."""
+    spec = get_model_spec("qwen3_5")
+    cfg = spec.make_config(spec.tiny_config())
+    lens = [70, 1, 9]
+    n = spec.lm_matmul_params(cfg)
+    per_head = 64 * (6 * 16 + 4 * 16) + 6 * 16 * 16 + 2 * 64**2 / 3
+    lin = 2 * 3 * 4 * per_head * 80
+    attn = 12 * 1 * 64 * (70**2 + 1 + 81)
+    assert delta_rule_flops_per_token(4, 16, 16) == 3 * 4 * per_head
+    assert spec.lm_flops(cfg, lens) == pytest.approx(6 * n * 80 + attn + lin)
+    assert spec.lm_flops(cfg, lens, causal_half=True) == pytest.approx(6 * n * 80 + attn / 2 + lin)
+
+
+def test_hooks_of_the_fla_family():
+    spec = get_model_spec("fla_gated_deltanet")
+    model = spec.build(config=spec.tiny_config(), device="meta")
+    assert len(spec.decoder_blocks(model)) == 2 == len(spec.linear_mixers(model))
+    assert spec.embeddings(model)[0] is model.model.embeddings
+    assert spec.vision_tower(model) is None and spec.vision_blocks(model) == []
+    assert spec.sp_slice_module(model) is model.model
+    with pytest.raises(NotImplementedError, match="hybrid"):
+        spec.make_config(spec.tiny_config(attn={"layers": [1], "num_heads": 2}))
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", LINEAR_FAMILIES)
+def test_gpu_fla_kernels_match_torch_reference(name):
+    """On CUDA the packed mixers on flash-linear-attention's varlen kernels equal the plain-torch
+    reference path (fp32 weights, loss and gradients)."""
+    pytest.importorskip("fla")
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa").cuda()
+    batch = pack_samples(spec, model, _samples(spec, model))
+    out = {}
+    for backend in ("torch", "fla"):
+        spec.set_linear_backend(model, backend)
+        model.zero_grad(set_to_none=True)
+        loss, _ = spec.packed_forward(
+            model, {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+        )
+        loss.backward()
+        out[backend] = (loss.detach(), _grads(model))
+    torch.testing.assert_close(out["fla"][0], out["torch"][0], rtol=2e-3, atol=2e-3)
+    for k, g in out["torch"][1].items():
+        scale = g.abs().max().clamp_min(1e-3)
+        err = float((out["fla"][1][k] - g).abs().max() / scale)
+        assert err < 1e-2, (k, err)
+
+
+@pytest.mark.gpu
+def test_gpu_fla_mixer_matches_fla_layer():
+    """lmms' packed mixer == flash-linear-attention's own GatedDeltaNet layer, unpacked per sample
+    and with its own cu_seqlens (fp32)."""
+    pytest.importorskip("fla")
+    torch.manual_seed(0)
+    spec = get_model_spec("fla_gated_deltanet")
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa").cuda()
+    layer = spec.linear_mixers(model)[0]
+    lens = [300, 1, 65, 64]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    x = torch.randn(1, sum(lens), 64, device="cuda")
+    spec.set_linear_backend(model, "fla")
+    with torch.no_grad():
+        ours = layer(x, cu_seq_lens_q=cu)[0]
+        theirs_varlen = type(layer).forward(layer, x, cu_seqlens=cu.long())[0]
+        alone = torch.cat(
+            [
+                type(layer).forward(layer, x[:, a:b])[0]
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)
+            ],
+            1,
+        )
+    torch.testing.assert_close(ours, theirs_varlen, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(ours, alone, rtol=2e-3, atol=2e-3)
