@@ -71,6 +71,10 @@ def resolve_spec(cfg: TrainConfig) -> Any:
                     " (only local folders are supported; set model_config.model_type to override)"
                 )
             name = json.loads(cfg_file.read_text()).get("model_type", "")
+            from lmms_models.objectives import DLLM_LAYOUTS
+
+            if name in DLLM_LAYOUTS:  # a dLLM release in its family's layout (e.g. Dream: qwen2)
+                name = DLLM_LAYOUTS[name].family
     registered = list_models()
     if name not in registered:
         raise ConfigError(
@@ -80,7 +84,7 @@ def resolve_spec(cfg: TrainConfig) -> Any:
     return get_model_spec(name)
 
 
-def build_objective(cfg: TrainConfig) -> Any:
+def build_objective(cfg: TrainConfig, spec: Any = None) -> Any:
     """The run's objective (`model_config.objective` with `objective_args`); errors name the
     registered objectives and the objective's options."""
     from lmms_models.objectives import get_objective, list_objectives
@@ -92,8 +96,20 @@ def build_objective(cfg: TrainConfig) -> Any:
             f"model_config.objective {m.objective!r} is not registered"
             f"{suggest(m.objective, names)}; registered: {', '.join(names)}"
         )
+    args = dict(m.objective_args)
+    if spec is not None and getattr(spec, "default_objective", None) == m.objective:
+        args = {**spec.objective_defaults, **args}  # the family's parameterisation (wan: RF)
+    if m.objective == "masked_diffusion" and "shift" not in args and m.load_from_pretrained_path:
+        from lmms_models.objectives import read_layout
+
+        try:  # a release's layout says how its positions predict (Dream: shifted)
+            _, _, shift = read_layout(m.load_from_pretrained_path)
+        except FileNotFoundError:
+            shift = None
+        if shift is not None:
+            args["shift"] = shift
     try:
-        return get_objective(m.objective, **m.objective_args)
+        return get_objective(m.objective, **args)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model_config.objective_args: {exc}") from None
 
@@ -216,7 +232,7 @@ def build_model(
             hf_config = model.config
     except (ValueError, TypeError, OSError) as exc:
         raise UserError(f"model_config: could not build {spec.name}: {exc}") from exc
-    objective = build_objective(cfg)
+    objective = build_objective(cfg, spec)
     try:
         objective.prepare_model(spec, model)  # e.g. bidirectional attention, before any wrapping
     except (ValueError, NotImplementedError) as exc:
@@ -226,7 +242,7 @@ def build_model(
         from lmms_models import linear_patch_embed
 
         handles.append(linear_patch_embed(spec.vision_tower(model)))
-    if t.use_liger_kernel:
+    if t.use_liger_kernel and getattr(spec, "supports_liger", True):
         handles.append(_apply_liger(model, spec, env))
     if env.sp > 1:
         from lmms_parallel import UlyssesAttention, sp_group

@@ -1,4 +1,4 @@
-"""`lmms-train check-data`, `convert-config` and `--version` (registered in `cli.py`)."""
+"""`lmms-train check-data`, `convert-config`, `sample` and `--version` (registered in `cli.py`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import yaml
 
 from lmms_train._errors import ConfigError, UserError
 
-__all__ = ["SUBCOMMANDS", "check_data_main", "convert_config_main", "version_main"]
+__all__ = ["SUBCOMMANDS", "check_data_main", "convert_config_main", "sample_main", "version_main"]
 
 CHECK_USAGE = "usage: lmms-train check-data CONFIG.yaml [section.key=value ...] [--num-records N]"
 CONVERT_USAGE = "usage: lmms-train convert-config ENGINE_CONFIG.yaml [-o OUT.yaml]"
@@ -86,7 +86,48 @@ def version_main(args: list[str]) -> int:
     return 0
 
 
+SAMPLE_USAGE = (
+    "usage: lmms-train sample CHECKPOINT_DIR --prompt TEXT [--processor DIR] [--gen-length N] "
+    "[--steps N] [--block-length N] [--temperature T] [--mask-token-id ID] [--raw] [--show-steps]"
+)
+
+
+def sample_main(args: list[str]) -> int:
+    """Decode text from a masked-diffusion checkpoint folder (iterative unmasking, low-confidence
+    remasking; docs/diffusion-lm.md) and print it."""
+    opts: dict[str, str | None] = {}
+    for name in ("--prompt", "--processor", "--gen-length", "--steps", "--block-length",
+                 "--temperature", "--mask-token-id"):  # fmt: skip
+        args, opts[name] = _option(args, name, SAMPLE_USAGE)
+    flags = {f for f in ("--raw", "--show-steps") if f in args}
+    args = [a for a in args if a not in flags]
+    if len(args) != 1 or opts["--prompt"] is None:
+        raise UserError(SAMPLE_USAGE)
+    try:
+        nums = {k: (float if k == "--temperature" else int)(v) for k, v in opts.items()
+                if v is not None and k not in ("--prompt", "--processor")}  # fmt: skip
+    except ValueError as exc:
+        raise UserError(f"{SAMPLE_USAGE}\n{exc}") from None
+    from lmms_train._sample import sample_text
+
+    text = sample_text(
+        args[0],
+        opts["--prompt"],
+        processor=opts["--processor"],
+        gen_length=int(nums.get("--gen-length", 32)),
+        steps=int(nums.get("--steps", 32)),
+        block_length=int(nums["--block-length"]) if "--block-length" in nums else None,
+        temperature=float(nums.get("--temperature", 0.0)),
+        mask_token_id=int(nums["--mask-token-id"]) if "--mask-token-id" in nums else None,
+        chat="--raw" not in flags,
+        show_steps="--show-steps" in flags,
+    )
+    print(text, flush=True)
+    return 0
+
+
 SUBCOMMANDS = {
+    "sample": sample_main,
     "check-data": check_data_main,
     "convert-config": convert_config_main,
     "--version": version_main,

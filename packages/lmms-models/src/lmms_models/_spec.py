@@ -146,8 +146,9 @@ class ModelSpec:
             )
             model = model.to(device)
         else:
-            if pretrained is not None:
-                hf_config = transformers.AutoConfig.from_pretrained(
+            if pretrained is not None:  # the family's config class: no remote code, and
+                # folders of releases that reuse the family's layout (e.g. Dream) read as well
+                hf_config = getattr(transformers, self.config_class).from_pretrained(
                     pretrained, local_files_only=True
                 )
             else:

@@ -16,6 +16,15 @@ from ._base import (
     register_objective,
 )
 from .causal_lm import CausalLM
+from .diffusion_sampler import SampleResult, diffusion_generate
+from .dllm_checkpoints import (
+    DLLM_LAYOUTS,
+    DllmCheckpoint,
+    DllmLayout,
+    export_dream,
+    load_dllm,
+    read_layout,
+)
 from .flow_matching import FlowMatching
 from .masked_diffusion import (
     MaskedDiffusion,
@@ -25,17 +34,25 @@ from .masked_diffusion import (
 )
 
 __all__ = [
+    "DLLM_LAYOUTS",
     "OBJECTIVE_REGISTRY",
     "CausalLM",
+    "DllmCheckpoint",
+    "DllmLayout",
     "FlowMatching",
     "MaskedDiffusion",
     "MaskedDiffusionOptions",
     "Objective",
     "ObjectiveContext",
     "ObjectiveOutput",
+    "SampleResult",
+    "diffusion_generate",
     "draw_masks",
+    "export_dream",
     "get_objective",
     "list_objectives",
+    "load_dllm",
     "make_bidirectional",
+    "read_layout",
     "register_objective",
 ]

@@ -50,9 +50,10 @@ class MaskedDiffusionOptions:
     checkpoints); one of the two is required. Must lie inside the embedding table."""
     eps: float = 1e-3
     """Lower end of ``t ~ U(eps, 1)``: bounds the ``1/t`` weight by ``1/eps``."""
-    shift: bool = False
+    shift: bool | None = None
     """Predict token ``i+1`` from position ``i`` (Dream, AR-initialised dLLMs) instead of token
-    ``i`` from position ``i`` (LLaDA, MDLM)."""
+    ``i`` from position ``i`` (LLaDA, MDLM). Default: the model config's ``lmms_diffusion_shift``
+    (written by lmms exports; lmms-train sets it for Dream-layout folders), else false."""
     t_buckets: int = 4
     """Number of equal ``t`` bins of the per-bucket loss/accuracy metrics (0: none)."""
 
@@ -137,12 +138,19 @@ class MaskedDiffusion(Objective):
                 f"masked_diffusion: mask_token_id {self.mask_token_id} is outside the "
                 f"embedding table (vocab_size {vocab})"
             )
+        if self.options.shift is None:
+            self.options.shift = bool(getattr(cfg, "lmms_diffusion_shift", False))
         make_bidirectional(spec, model)
         for c in {id(x): x for x in (cfg, model.config)}.values():
-            c.mask_token_id = int(self.mask_token_id)
+            c.mask_token_id = int(self.mask_token_id)  # recorded by save_pretrained
+            c.lmms_diffusion_shift = bool(self.options.shift)
 
     def hf_config_updates(self) -> dict[str, Any]:
-        return {"is_causal": False, "mask_token_id": self.mask_token_id}
+        return {
+            "is_causal": False,
+            "mask_token_id": self.mask_token_id,
+            "lmms_diffusion_shift": bool(self.options.shift),
+        }
 
     def count_tokens(self, batch: dict[str, Any]) -> int:
         """Supervised tokens of the row (the causal LM's count when the collator leaves each
