@@ -61,10 +61,9 @@ def _families() -> list[str]:
     return [n for n in lmms_models.list_models() if lmms_models.get_model_spec(n).model_class]
 
 
-@pytest.mark.parametrize("family", _families())
-def test_export_is_complete_for_every_family(family, tmp_path):
-    """Weights in `export_dtype`, the processor and chat template beside them; the folder loads
-    with AutoProcessor (or AutoTokenizer) and the model's Auto class and generates."""
+def _export_family(family: str, tmp_path):
+    """Build the family's tiny model with a local processor, export it in bf16, check the folder
+    and load it back: returns (loaded model, tokenizer)."""
     from transformers import AutoProcessor, AutoTokenizer
 
     from lmms_models import get_model_spec
@@ -101,12 +100,36 @@ def test_export_is_complete_for_every_family(family, tmp_path):
     tok = getattr(proc, "tokenizer", proc)
     assert tok.chat_template, "the chat template travels with the weights"
     assert len(tok) == len(AutoTokenizer.from_pretrained(proc_dir))
-    if family in _TRITON_FORWARD:
-        pytest.importorskip("fla", reason="the upstream forward runs without fla")
-        return
+    return loaded, tok
+
+
+def _generate(model, tok, device: str = "cpu") -> None:
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "What is 3 + 4?"}], tokenize=False, add_generation_prompt=True
     )
-    enc = tok(prompt, return_tensors="pt")
-    gen = loaded.generate(**enc, max_new_tokens=4, do_sample=False)
+    enc = tok(prompt, return_tensors="pt").to(device)
+    gen = model.to(device).generate(**enc, max_new_tokens=4, do_sample=False)
     assert gen.shape[1] == enc["input_ids"].shape[1] + 4
+
+
+@pytest.mark.parametrize("family", _families())
+def test_export_is_complete_for_every_family(family, tmp_path):
+    """Weights in `export_dtype`, the processor and chat template beside them; the folder loads
+    with AutoProcessor (or AutoTokenizer) and the model's Auto class and generates."""
+    import importlib.util
+
+    loaded, tok = _export_family(family, tmp_path)
+    if family in _TRITON_FORWARD and importlib.util.find_spec("fla") is not None:
+        return  # generation runs fla's Triton kernels: test_export_generates_on_gpu
+    _generate(loaded, tok)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", _TRITON_FORWARD)
+def test_export_generates_on_gpu(family, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if family not in _families():
+        pytest.skip(f"{family} is not registered here")
+    loaded, tok = _export_family(family, tmp_path)
+    _generate(loaded, tok, "cuda")
