@@ -9,7 +9,7 @@ import pytest
 from lmms_train.config import load_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"))
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen2_audio")
 
 
 def test_every_family_has_examples():
@@ -29,6 +29,7 @@ TINY = {  # each family's tiny CPU example
     "qwen3_moe": "qwen3_moe/tiny_cpu.yaml",
     "qwen2_5_vl": "qwen2_5_vl/tiny_cpu_muon.yaml",
     "qwen3_vl": "qwen3_vl/tiny_cpu.yaml",
+    "qwen2_audio": "qwen2_audio/tiny_cpu.yaml",
 }
 
 

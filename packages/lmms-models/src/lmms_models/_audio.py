@@ -97,10 +97,15 @@ def _whisper_varlen(
 
 
 @contextlib.contextmanager
-def varlen_audio_forward(tower: nn.Module | None) -> Iterator[None]:
+def varlen_audio_forward(tower: nn.Module | None, head: nn.Module | None = None) -> Iterator[None]:
     """While active, ``tower(input_features=[F, M], feature_lens=[n], audio_frames=[n])``
-    returns the encoder's ``[tokens, d_model]`` on varlen clips; the instance's forward is
-    restored on exit (upstream's class forward otherwise)."""
+    returns the encoder's ``[tokens, d_model]`` on varlen clips, passed through ``head`` (the
+    model's projector into the text width, which sits outside the upstream tower) when given;
+    the instance's forward is restored on exit (upstream's class forward otherwise).
+
+    The projector runs inside the tower call so that a rank without audio, which runs the tower
+    on a dummy input (lmms_parallel.VisionParticipation), reaches the projector's parameters too:
+    FSDP2 reduce-scatters the gradients its peers have, parameter for parameter."""
     if tower is None:
         yield
         return
@@ -110,7 +115,8 @@ def varlen_audio_forward(tower: nn.Module | None) -> Iterator[None]:
         self: nn.Module, input_features: torch.Tensor, feature_lens: torch.Tensor,
         audio_frames: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        return _whisper_varlen(self, input_features, feature_lens, audio_frames)
+        out = _whisper_varlen(self, input_features, feature_lens, audio_frames)
+        return out if head is None else head(out)
 
     tower.forward = types.MethodType(forward, tower)
     try:
@@ -123,7 +129,7 @@ def varlen_audio_forward(tower: nn.Module | None) -> Iterator[None]:
 
 
 def dummy_audio_inputs(tower: nn.Module, device: torch.device) -> dict[str, Any]:
-    """The smallest valid varlen tower input: one clip of 4 valid frames (1 token)."""
+    """The smallest valid varlen tower input: one clip of 4 valid frames (1 token, 6 kept)."""
     m = tower.conv1.weight.shape[1]
     dtype = tower.conv1.weight.dtype
     return {

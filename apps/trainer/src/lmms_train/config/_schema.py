@@ -87,11 +87,12 @@ class ModelConfig:
 class SyntheticDataConfig:
     """Generate a deterministic synthetic dataset if `dataset_path` is missing."""
 
-    kind: Literal["vl", "text"] | None = _f(
+    kind: Literal["vl", "text", "audio"] | None = _f(
         None,
         "`vl`: coloured-shape images with questions (`lmms_data.generate_synthetic_vl`); `text`: "
-        "text-only chats (sums, copy, reverse; `generate_synthetic_text`). Default: `vl` for "
-        "vision-language models, `text` for text-only ones.",
+        "text-only chats (sums, copy, reverse; `generate_synthetic_text`); `audio`: tone "
+        "\"digits\" with questions (`generate_synthetic_audio`). Default: `audio` for audio "
+        "models, `vl` for vision-language models, `text` for text-only ones.",
     )
     num_samples: int = _f(256, "Number of records to generate.")
     format: Literal["parquet", "jsonl"] = _f("parquet", "File format of the generated dataset.")

@@ -80,9 +80,15 @@ class AudioFeatures:
 
     def __call__(self, clips: list[np.ndarray]) -> dict[str, np.ndarray]:
         """``{"input_features" [F, n_mels], "audio_feature_lens" [n], "audio_frames" [n]}``."""
+        # Padded to the frames kept, not to the whole window: every kept frame sees the same
+        # samples (the window's zeros past the clip; reflection only past what is kept), and the
+        # log-mel floor (max - 8) takes its max over the clip's frames either way, so values equal
+        # a full-window call (tested against transformers' processor) at a fraction of the STFT.
+        hop, longest = int(self.fe.hop_length), max(len(c) for c in clips)
+        need = (-(-longest // hop) + self.context_frames + 2) * hop + int(self.fe.n_fft)
         out = self.fe(
             clips, sampling_rate=self.rate, return_attention_mask=True, padding="max_length",
-            truncation=True, return_tensors="np",
+            max_length=min(need, int(self.fe.n_samples)), truncation=True, return_tensors="np",
         )  # fmt: skip
         feats = np.asarray(out["input_features"], dtype=np.float32)  # [n, n_mels, window]
         lens = np.asarray(out["attention_mask"]).sum(-1).astype(np.int64)  # [n]

@@ -104,10 +104,10 @@ class AudioLMSpec(ModelSpec):
         return dummy_audio_inputs(self.audio_tower(model), device)
 
     def media_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        return varlen_audio_forward(self.audio_tower(model))
+        return varlen_audio_forward(self.audio_tower(model), self.projector(model))
 
     def merge_media(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Run the (varlen) audio tower and the projector, place the features at the audio
+        """Run the (varlen) audio tower with the projector, place the features at the audio
         placeholders; the base model then gets ``inputs_embeds`` only."""
         rest = {k: v for k, v in inputs.items() if k not in _AUDIO_KEYS}
         feats = inputs.get("input_features")
@@ -125,8 +125,7 @@ class AudioLMSpec(ModelSpec):
             input_features=feats,
             feature_lens=inputs["audio_feature_lens"],
             audio_frames=inputs["audio_frames"],
-        )  # [N, D]
-        audio = self.projector(model)(audio)  # [N, H]
+        )  # [N, H]: encoder and projector (see varlen_audio_forward)
         types = inputs["mm_token_type_ids"]
         return {**rest, "inputs_embeds": merge_audio(embeds, types.cpu(), audio)}
 
