@@ -119,14 +119,16 @@ def _check_layout(mesh_shape, ref_sd, ckpt_dir):
     after2 = _full(model2)
     dcp_err = max((after[k] - after2[k]).abs().max().item() for k in after)
 
-    # tensor-parallel style placements are refused with the reason
-    tp_err = ""
-    p = nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh["shard"], [Shard(1)]))
-    p.grad = distribute_tensor(torch.randn(8, 8), mesh["shard"], [Shard(1)])
-    try:
-        lo.Muon([p]).step()
-    except NotImplementedError as e:
-        tp_err = str(e)
+    # tensor-parallel shards (Shard(1)) are orthogonalised as the whole matrix: == one process
+    gen = torch.Generator().manual_seed(11)
+    full_w, full_g = torch.randn(8, 8, generator=gen), torch.randn(8, 8, generator=gen)
+    p = nn.Parameter(distribute_tensor(full_w.clone(), mesh["shard"], [Shard(1)]))
+    p.grad = distribute_tensor(full_g.clone(), mesh["shard"], [Shard(1)])
+    lo.Muon([p], lr=0.1).step()
+    q = nn.Parameter(full_w.clone())
+    q.grad = full_g.clone()
+    lo.Muon([q], lr=0.1).step()
+    tp_err = ((p.full_tensor() - q.detach()).abs().max() / (q - full_w).abs().max()).item()
     return {
         "errs": errs,
         "momentum_dtensor": momentum_is_dtensor,

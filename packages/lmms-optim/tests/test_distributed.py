@@ -50,4 +50,4 @@ def test_distributed_muon_matches_single_process(world, mesh_shapes):
             assert worst < 1e-3, (rank, layout, r["errs"])
             assert r["momentum_dtensor"], "momentum must be stored as a DTensor like its parameter"
             assert r["dcp_err"] == 0.0, (layout, r["dcp_err"])
-            assert "Shard(0)" in r["tp_err"] and "tensor-parallel" in r["tp_err"], r["tp_err"]
+            assert r["tp_err"] < 1e-2, r["tp_err"]  # TP shard: the whole matrix's update

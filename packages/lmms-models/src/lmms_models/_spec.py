@@ -81,6 +81,11 @@ class ModelSpec:
     host_keys: tuple[str, ...] = ()
     mask_mapping: bool = False
     presets: dict[str, dict[str, Any]] = {}  # noqa: RUF012 (read-only class table)
+    #: Parallel plans as data, ``{module pattern: style}`` relative to :meth:`plan_root`, applied
+    #: by lmms_parallel's ``apply_tp`` / ``apply_ep`` (lmms_models._plans, EXPERTS_EP_PLAN).
+    #: Empty: the family does not support that kind of parallelism.
+    tp_plan: dict[str, str] = {}  # noqa: RUF012
+    ep_plan: dict[str, str] = {}  # noqa: RUF012
 
     # ---------------------------------------------------------------- configs
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
@@ -375,6 +380,18 @@ class ModelSpec:
 
     def lm_head(self, model: nn.Module) -> nn.Module:
         return model.lm_head
+
+    def plan_root(self, model: nn.Module) -> nn.Module:
+        """The module the TP and EP plans' patterns are relative to: the text decoder."""
+        return self.text_model(model)
+
+    def check_tp(self, config: Any, tp: int) -> None:
+        """Raise (at start-up) unless this family's TP plan runs at degree ``tp``."""
+        if not self.tp_plan:
+            raise NotImplementedError(f"{self.name} has no tensor-parallel plan")
+        from ._plans import check_tp_heads
+
+        check_tp_heads(self.text_config(config), tp)
 
     def sp_slice_module(self, model: nn.Module) -> nn.Module:
         """The module whose ``inputs_embeds``/``position_ids`` are sliced for Ulysses SP: the text

@@ -11,6 +11,10 @@ orthogonalised whole, on one *owner* rank of its shard group:
 4. Pipelining: the gather of bucket ``k+1`` and the scatter of bucket ``k`` are in flight while
    bucket ``k`` is computed (async collectives).
 
+Tensor-parallel matrices (column/row shards, FSDP2 over TP) are orthogonalised whole on every
+rank of their mesh instead (:func:`orthogonalize_full`): exact, at the cost of an all-gather and
+redundant NS FLOPs on the TP group.
+
 With a ``(Replicate, Shard(0))`` mesh (HSDP) each replica group does the same work on its own
 shard group: gradients are already identical across replicas, so no extra communication is
 needed, at the cost of redundant NS FLOPs on the replicas.
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["orthogonalize_sharded"]
+__all__ = ["is_tensor_parallel", "orthogonalize_full", "orthogonalize_sharded"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +47,40 @@ class _Item:
     @property
     def cost(self) -> int:
         return self.m * self.n * min(self.m, self.n)
+
+
+def is_tensor_parallel(p: torch.Tensor) -> bool:
+    """A DTensor sharded some other way than FSDP2's rows: a tensor-parallel column/row shard
+    (``Shard(1)``, ``_StridedShard``, or rows split over two mesh dims: FSDP2 over TP)."""
+    if not (hasattr(p, "_local_tensor") and hasattr(p, "placements")):
+        return False
+    from torch.distributed.tensor import Replicate, Shard
+
+    plain = [type(pl) is Shard and pl.dim == 0 for pl in p.placements]  # type: ignore[attr-defined]
+    other = [not (ok or isinstance(pl, Replicate)) for ok, pl in zip(plain, p.placements)]  # type: ignore[attr-defined]
+    return any(other) or sum(plain) > 1
+
+
+def orthogonalize_full(
+    p: torch.Tensor,
+    u: torch.Tensor,
+    key: tuple,
+    ns_fn: Callable[[torch.Tensor, tuple], torch.Tensor],
+) -> torch.Tensor:
+    """NS of a tensor-parallel matrix as the *whole* matrix (exact: the same result as one
+    process): the update's shards are all-gathered (bf16), every rank of the mesh runs the same
+    NS, and keeps its own shard of the result (same placements as ``p``)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+    shaped = DTensor.from_local(
+        u.to(torch.bfloat16), mesh, placements, shape=p.shape, stride=p.stride(), run_check=False
+    )
+    full = shaped.full_tensor()  # [m, ...]
+    m = full.shape[0]
+    out = ns_fn(full.reshape(1, m, -1), key)[0].reshape(full.shape)
+    whole = DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, placements).to_local()
 
 
 def _shard_dim(p: torch.Tensor) -> int | None:
@@ -77,6 +115,9 @@ def orthogonalize_sharded(
     results: list[torch.Tensor | None] = [None] * len(entries)
     per_group: dict[int, tuple[dist.ProcessGroup, int, int, list[_Item]]] = {}
     for i, (p, u, key) in enumerate(entries):
+        if is_tensor_parallel(p):
+            results[i] = orthogonalize_full(p, u, key, ns_fn)
+            continue
         sd = _shard_dim(p)
         m, n = p.shape[0], math.prod(p.shape[1:])
         mesh = p.device_mesh  # type: ignore[attr-defined]

@@ -68,7 +68,10 @@ def _needs_gather(p: torch.Tensor) -> bool:
     """
     if not _is_dtensor(p):
         return False
-    from ._distributed import _shard_dim
+    from ._distributed import _shard_dim, is_tensor_parallel
+
+    if is_tensor_parallel(p):
+        return True  # orthogonalised as the whole matrix (_distributed.orthogonalize_full)
 
     dim = _shard_dim(p)
     return dim is not None and p.device_mesh.size(dim) > 1  # type: ignore[attr-defined]

@@ -6,11 +6,22 @@ vision input come from the model spec (lmms-models) as data.
 
 from lmms_parallel._ac import ACHandle, apply_activation_checkpointing
 from lmms_parallel._checkpoint import Checkpointer
+from lmms_parallel._ep import ExpertParallel, ep_local_slice, ep_params
 from lmms_parallel._export import export_hf, gather_full_state_dict
 from lmms_parallel._fsdp import apply_fsdp
 from lmms_parallel._master import MasterWeights
-from lmms_parallel._mesh import ParallelDims, dp_mesh, fsdp_mesh, sp_group
+from lmms_parallel._mesh import (
+    ExpertMeshes,
+    ParallelDims,
+    dp_mesh,
+    expert_meshes,
+    fsdp_mesh,
+    sp_group,
+    tp_mesh,
+)
 from lmms_parallel._meta import load_full_state_dict, materialize, meta_init, read_safetensors
+from lmms_parallel._plans import apply_ep, apply_tp, match_plan, register_style, registered_styles
+from lmms_parallel._tp import SumGradOverGroup
 from lmms_parallel._ulysses import (
     SequenceParallel,
     UlyssesAttention,
@@ -25,26 +36,38 @@ from lmms_parallel._vision import VisionParticipation, ensure_vision_participati
 __all__ = [
     "ACHandle",
     "Checkpointer",
+    "ExpertMeshes",
+    "ExpertParallel",
     "MasterWeights",
     "ParallelDims",
     "SequenceParallel",
+    "SumGradOverGroup",
     "UlyssesAttention",
     "VisionParticipation",
     "all_to_all_heads_to_seq",
     "all_to_all_seq_to_heads",
     "apply_activation_checkpointing",
+    "apply_ep",
     "apply_fsdp",
+    "apply_tp",
     "dp_mesh",
     "ensure_vision_participation",
+    "ep_local_slice",
+    "ep_params",
+    "expert_meshes",
     "export_hf",
     "fsdp_mesh",
     "gather_full_state_dict",
     "load_full_state_dict",
+    "match_plan",
     "materialize",
     "meta_init",
     "read_safetensors",
+    "register_style",
+    "registered_styles",
     "sp_group",
     "sp_pad_len",
     "sp_reduce_loss",
     "sp_shard_labels",
+    "tp_mesh",
 ]

@@ -29,6 +29,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     cast_forward_inputs: bool = False,
+    units: Sequence[tuple[nn.Module, DeviceMesh]] = (),
 ) -> nn.Module:
     """Shard ``model`` with FSDP2: each of ``blocks`` is a unit, then the root.
 
@@ -52,6 +53,10 @@ def apply_fsdp(
             tower's fp32 rotary tables stay fp32; the model casts where it means to), which is
             also what ``MasterWeights`` does on one device: both give the same numbers.
 
+    ``units``: modules sharded first, each on its own mesh (the experts under expert
+    parallelism: :func:`lmms_parallel.expert_meshes`' ``fsdp`` mesh, the ranks that hold the same
+    experts); the blocks containing them then leave their parameters to them.
+
     Frozen sub-modules (``requires_grad=False``, e.g. the vision tower) are supported: they are
     sharded and all-gathered like the others but get no gradient reduction.
     """
@@ -63,6 +68,10 @@ def apply_fsdp(
         # Pinned host memory makes the host<->device copies asynchronous; it needs CUDA.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     shared = _shared_param_ids(model)
+    for unit, unit_mesh in units:
+        fully_shard(
+            unit, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": unit_mesh}
+        )
     for block in blocks:
         own = {id(p) for p in block.parameters()}
         if own & shared and _shared_outside(model, block):

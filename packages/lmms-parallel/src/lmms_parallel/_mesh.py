@@ -2,8 +2,10 @@
 
 The world is laid out as ``[dp_replicate, dp_shard, sp, tp]`` (row-major, tp innermost so that
 tensor-parallel peers are neighbours, i.e. on the same node). Expert parallelism borrows ranks
-from ``dp_shard * sp`` (experts are sharded where the dense weights are FSDP-sharded), so it is
-validated but does not add a mesh dimension.
+from ``dp_shard * sp`` (experts are sharded where the dense weights are FSDP-sharded): it does
+not add a dimension to the world mesh; :func:`expert_meshes` builds its own
+``(dp_replicate, dp_shard*sp / ep, ep)`` mesh over the same ranks (EP peers innermost), whose
+``ep`` dim carries the all-to-all and whose other dims shard and reduce the experts (FSDP2).
 
 Gradients are reduced over every rank that saw different tokens: the data-parallel ranks *and*
 the sequence-parallel ranks. FSDP2 therefore shards over ``dp_shard * sp`` and replicates over
@@ -18,7 +20,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["ParallelDims", "dp_mesh", "fsdp_mesh", "sp_group"]
+__all__ = [
+    "ExpertMeshes",
+    "ParallelDims",
+    "dp_mesh",
+    "expert_meshes",
+    "fsdp_mesh",
+    "sp_group",
+    "tp_mesh",
+]
 
 _DIMS = ("dp_replicate", "dp_shard", "sp", "tp")
 
@@ -64,6 +74,17 @@ class ParallelDims:
             raise ValueError(
                 f"ep = {self.ep} must divide dp_shard * sp = {dp_shard} * {self.sp} = {dp_shard * self.sp} "
                 "(experts are sharded over the FSDP ranks)"
+            )
+        if self.tp > 1 and self.ep > 1:
+            raise NotImplementedError(
+                f"tp = {self.tp} with ep = {self.ep}: expert parallelism borrows the data-parallel "
+                "ranks and tensor parallelism splits the dense matmuls; combining both (experts "
+                "also split by TP) is not implemented: use one of them"
+            )
+        if self.tp > 1 and self.sp > 1:
+            raise NotImplementedError(
+                f"tp = {self.tp} with sp_ulysses_degree = {self.sp}: both split the attention "
+                "heads; combining them is not implemented: use one of them"
             )
         return ParallelDims(
             dp_replicate=self.dp_replicate, dp_shard=dp_shard, sp=self.sp, tp=self.tp, ep=self.ep
@@ -126,3 +147,36 @@ def _check_world_mesh(mesh: DeviceMesh) -> None:
         raise ValueError(
             f"expected the mesh of ParallelDims.build_mesh with dims {_DIMS}, got {mesh}"
         )
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D tensor-parallel mesh (``tp``) of the world mesh."""
+    _check_world_mesh(mesh)
+    return mesh["tp"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ExpertMeshes:
+    """Meshes of expert parallelism (see :func:`expert_meshes`)."""
+
+    ep_group: dist.ProcessGroup  # the all-to-all group (EP peers)
+    ep_size: int
+    fsdp: DeviceMesh  # shards and reduces the experts: 1-D, or 2-D (dp_replicate, ...) for HSDP
+    mesh: DeviceMesh  # (dp_replicate, dp_shard_mod_ep, ep)
+
+
+def expert_meshes(mesh: DeviceMesh, ep: int) -> ExpertMeshes:
+    """The EP layout over the world mesh's ranks: ``ep`` consecutive ranks of ``dp_shard * sp``
+    exchange tokens; the ranks holding the same experts (``dp_shard * sp / ep`` of them, times
+    ``dp_replicate``) shard and reduce them with FSDP2. Collective (every rank calls it)."""
+    _check_world_mesh(mesh)
+    rep, shard, sp, tp = mesh.shape
+    if tp != 1:
+        raise NotImplementedError("expert parallelism with tp > 1 is not implemented")
+    if (shard * sp) % ep:
+        raise ValueError(f"ep = {ep} must divide dp_shard * sp = {shard * sp}")
+    ranks = _ranks(mesh).reshape(rep, shard * sp // ep, ep)
+    names = ("dp_replicate", "dp_shard_mod_ep", "ep")
+    emesh = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=names)
+    fsdp = emesh["dp_shard_mod_ep"] if rep == 1 else emesh["dp_replicate", "dp_shard_mod_ep"]
+    return ExpertMeshes(ep_group=emesh["ep"].get_group(), ep_size=ep, fsdp=fsdp, mesh=emesh)

@@ -22,6 +22,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -163,5 +164,26 @@ def load_full_state_dict(
     if not dist.is_initialized():
         model.load_state_dict(full, strict=strict)
         return
+    from ._ep import ep_params, load_ep_params
+
+    if ep_params(model):  # expert-parallel slices: broadcast whole, sliced per rank
+        full = dict(full)
+        load_ep_params(model, full, strict=strict)
+        if strict:  # the expert keys are loaded; rank 0 checks the rest and tells every rank
+            box: list[Any] = [None]
+            if rank0:
+                box[0] = [
+                    k for k in model.state_dict() if k not in full and not _is_ep_key(model, k)
+                ]
+            dist.broadcast_object_list(box, src=0)
+            if box[0]:
+                raise KeyError(f"the weights miss {len(box[0])} keys, e.g. {box[0][:5]}")
+        strict = False
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     set_model_state_dict(model, full, options=options)
+
+
+def _is_ep_key(model: nn.Module, key: str) -> bool:
+    from ._ep import ep_params
+
+    return key in {fqn for fqn, *_ in ep_params(model)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ... import _flops
+from ..._plans import QWEN3_TP_PLAN
 from ..._registry import register_model
 from ..._spec import ModelSpec
 from ..qwen2 import tiny_text
@@ -15,6 +16,7 @@ __all__ = ["Qwen3Spec"]
 
 @register_model("qwen3")
 class Qwen3Spec(ModelSpec):
+    tp_plan = QWEN3_TP_PLAN
     processor_family = "qwen3"
     config_class = "Qwen3Config"
     model_class = "Qwen3ForCausalLM"

@@ -18,6 +18,7 @@ from torch import nn
 
 from ... import _flops
 from ..._attention import forward_pre_hook
+from ..._plans import QWEN3_TP_PLAN
 from ..._registry import register_model
 from ..._spec import to_device
 from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
@@ -174,6 +175,7 @@ def deepstack_by_index(text_model: nn.Module) -> Iterator[None]:
 
 @register_model("qwen3_vl")
 class Qwen3VLSpec(QwenVLSpec):
+    tp_plan = QWEN3_TP_PLAN
     processor_family = "qwen3_vl"
     config_class = "Qwen3VLConfig"
     model_class = "Qwen3VLForConditionalGeneration"

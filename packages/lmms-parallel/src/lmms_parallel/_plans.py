@@ -1,0 +1,129 @@
+"""Parallel plans as data: ``{module pattern: style name}``, applied from outside.
+
+A model spec states its plans (lmms-models: ``spec.tp_plan``, ``spec.ep_plan``), e.g.::
+
+    tp_plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+               "layers.*.self_attn.q_norm": "sum_grad", ...}
+    ep_plan = {"layers.*.mlp.experts": "experts"}
+
+Patterns are ``fnmatch`` patterns over module names relative to the module the plan is applied to
+(the text decoder for both plans above); every pattern must match at least one module. Styles are
+looked up in a registry (:func:`register_style`): a new family adds a plan, a new *kind* of layer
+adds a style. Built in:
+
+* TP (on the ``tp`` mesh dim): ``colwise``, ``rowwise`` (torch DTensor, local outputs) and
+  ``sum_grad`` (replicated module on local activations: gradient summed over TP);
+* EP (on the EP group): ``experts`` (transformers' 3-D experts: local slice + all-to-all).
+
+Order (STYLE.md #3): TP/EP, then activation checkpointing, compile, FSDP2; from the meta device:
+the EP slice of a meta parameter is a meta parameter, DTensor ``parallelize_module`` works on
+meta modules, and :func:`lmms_parallel.load_full_state_dict` slices the full weights it
+broadcasts (:func:`plan_shard_hooks`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._ep import ExpertParallel
+from ._tp import SumGradOverGroup, tp_style
+
+__all__ = ["apply_ep", "apply_tp", "match_plan", "register_style", "registered_styles"]
+
+#: kind ("tp" | "ep") -> style name -> factory(mesh_or_group) -> object with .apply(module) or a
+#: DTensor ParallelStyle
+_STYLES: dict[str, dict[str, Callable[[Any], Any]]] = {"tp": {}, "ep": {}}
+
+
+def register_style(kind: str, name: str) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
+    """Decorator: register ``factory(mesh_or_group)`` as style ``name`` of ``kind`` ("tp"/"ep").
+    The factory returns a DTensor ``ParallelStyle`` (TP) or an object with ``apply(module)``."""
+    if kind not in _STYLES:
+        raise ValueError(f"style kind must be one of {sorted(_STYLES)}, got {kind!r}")
+
+    def deco(factory: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        if name in _STYLES[kind]:
+            raise ValueError(f"{kind} style {name!r} is already registered")
+        _STYLES[kind][name] = factory
+        return factory
+
+    return deco
+
+
+def registered_styles(kind: str) -> list[str]:
+    return sorted(_STYLES[kind])
+
+
+register_style("tp", "colwise")(lambda mesh: tp_style("colwise"))
+register_style("tp", "rowwise")(lambda mesh: tp_style("rowwise"))
+register_style("tp", "sum_grad")(lambda mesh: SumGradOverGroup(mesh.get_group()))
+register_style("ep", "experts")(lambda group: ExpertParallel(group))
+
+
+def match_plan(root: nn.Module, plan: Mapping[str, str]) -> list[tuple[str, nn.Module, str]]:
+    """``(name, module, style)`` for every module of ``root`` a pattern matches (first pattern
+    wins). Raises if a pattern matches nothing (a plan written for another layout)."""
+    named = list(root.named_modules())
+    out: list[tuple[str, nn.Module, str]] = []
+    taken: set[str] = set()
+    for pattern, style in plan.items():
+        hits = [(n, m) for n, m in named if n and fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ValueError(
+                f"parallel plan pattern {pattern!r} matches no module of {type(root).__name__}"
+            )
+        for name, module in hits:
+            if name not in taken:
+                taken.add(name)
+                out.append((name, module, style))
+    return out
+
+
+def _style(kind: str, name: str, arg: Any) -> Any:
+    if name not in _STYLES[kind]:
+        raise KeyError(
+            f"unknown {kind} style {name!r}; registered: {', '.join(registered_styles(kind))}"
+        )
+    return _STYLES[kind][name](arg)
+
+
+def apply_tp(root: nn.Module, plan: Mapping[str, str], tp_mesh: DeviceMesh) -> list[str]:
+    """Tensor parallelism from ``plan`` on the 1-D ``tp_mesh``; returns the modules' names.
+
+    Column/row-wise Linears must divide evenly (checked here, with the module named)."""
+    from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+    tp = tp_mesh.size()
+    dtensor_plan: dict[str, Any] = {}
+    names = []
+    for name, module, style in match_plan(root, plan):
+        obj = _style("tp", style, tp_mesh)
+        if isinstance(obj, ParallelStyle):
+            if isinstance(module, nn.Linear):
+                dim = module.out_features if style == "colwise" else module.in_features
+                if dim % tp:
+                    raise ValueError(
+                        f"{name}: {style} over tp={tp} needs {dim} features divisible by {tp}"
+                    )
+            dtensor_plan[name] = obj
+        else:
+            obj.apply(module)
+        names.append(name)
+    if dtensor_plan:
+        parallelize_module(root, tp_mesh, dtensor_plan)
+    return names
+
+
+def apply_ep(root: nn.Module, plan: Mapping[str, str], group: dist.ProcessGroup) -> list[str]:
+    """Expert parallelism from ``plan`` over ``group``; returns the modules' names."""
+    names = []
+    for name, module, style in match_plan(root, plan):
+        _style("ep", style, group).apply(module)
+        names.append(name)
+    return names
