@@ -1,0 +1,137 @@
+"""Worker of test_linear_parallel.py (2 gloo CPU processes, one spawn for every scenario):
+
+* Ulysses SP 2 == SP 1 for each linear-attention family: loss and gradients (summed over the
+  SP ranks, as FSDP's reduce-scatter would), on a pack whose length is odd (SP padding), with a
+  sample past one chunk, a length-1 sample and, for Qwen3.5, images and video.
+* FSDP2 over 2 ranks with full activation checkpointing == 1 process: each rank takes its own
+  pack; the loss is normalised by the global token count, so the ranks' summed gradients must
+  equal the single process's gradients on both packs.
+
+Results go to per-rank JSON files the tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import lmms_parallel as lp
+from lmms_models import get_model_spec
+from lmms_models.testing import SampleSpec, make_sample, pack_samples
+
+# qwen3_5_moe runs the same mixers as qwen3_5 (its experts under SP: test_sp_vl, test_moe_aux)
+FAMILIES = ["qwen3_5", "fla_gated_deltanet"]
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    return spec, spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
+
+
+def _pack(spec, model, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ss = [SampleSpec(text=70 + seed), SampleSpec(text=1, prompt=0), SampleSpec(text=8 + seed)]
+    if "pixel_values" in spec.media_keys:
+        ss += [SampleSpec(text=4, images=[(1, 4, 4)]), SampleSpec(text=3, videos=[(2, 4, 4)])]
+    samples = [make_sample(spec, model.config, s, gen=gen) for s in ss]
+    total = sum(s["input_ids"].numel() for s in samples)
+    return pack_samples(spec, model, samples, pad_to=total + 1 + total % 2)  # odd length
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            out[k] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def _worst(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max(float((got[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-6)) for k in ref)
+
+
+def sp_scenario(name: str, group: Any) -> dict[str, Any]:
+    spec, model = _model(name)
+    batch = _pack(spec, model, 0)
+    loss, count = spec.packed_forward(model, batch)
+    (loss / count).backward()
+    ref, ref_loss = _grads(model), float(loss / count)
+    model.zero_grad(set_to_none=True)
+    spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
+    assert all(m._lmms_mixer.sp_group is group for m in spec.linear_mixers(model))
+    with lp.SequenceParallel(spec.sp_slice_module(model), group):
+        loss, count = spec.packed_forward(model, batch, sp_group=group)
+        (loss / count).backward()
+    grads = _grads(model)
+    for g in grads.values():
+        dist.all_reduce(g, group=group)
+    return {
+        "loss_sp1": ref_loss,
+        "loss": float(loss / count),
+        "tokens": batch["input_ids"].numel(),
+        "same_params": sorted(grads) == sorted(ref),
+        "worst_rel_grad": _worst(grads, ref),
+    }
+
+
+def fsdp_scenario(name: str, rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    spec, model = _model(name)
+    packs = [_pack(spec, model, seed) for seed in (0, 1)]
+    n_all = sum(int(p["num_loss_tokens"]) for p in packs)
+    total = 0.0
+    for batch in packs:  # 1 process: both packs, one global normalisation
+        loss, _ = spec.packed_forward(model, batch)
+        (loss / n_all).backward()
+        total += float(loss)
+    ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+    blocks = spec.vision_blocks(model) + spec.decoder_blocks(model)
+    lp.apply_activation_checkpointing(blocks, "full")
+    mesh = init_device_mesh("cpu", (2,))
+    lp.apply_fsdp(model, mesh, blocks=blocks + spec.embeddings(model), param_dtype=None)
+    # through the root module, so FSDP2's root unit (LM head, final norm, merger) gathers and
+    # reduces (the trainer's call_through_root does the same)
+    model.forward = lambda **_: spec.packed_forward(model, packs[rank])
+    try:
+        loss, _ = model(lmms_root_call=True)
+    finally:
+        del model.forward
+    (loss / n_all).backward()
+    summed = loss.detach().clone()
+    dist.all_reduce(summed)
+    grads = _grads(model)
+    return {
+        "loss_1proc": total / n_all,
+        "loss": float(summed) / n_all,
+        "same_params": sorted(grads) == sorted(ref),
+        "worst_rel_grad": _worst(grads, ref),
+    }
+
+
+def run(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=240))
+    results: dict[str, Any] = {}
+    try:
+        for name in FAMILIES:
+            for label, fn in (("sp2", lambda n: sp_scenario(n, dist.group.WORLD)),
+                              ("fsdp2_ac", lambda n: fsdp_scenario(n, rank))):  # fmt: skip
+                try:
+                    results[f"{name}/{label}"] = fn(name)
+                except Exception:
+                    results[f"{name}/{label}"] = {"error": traceback.format_exc()}
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
