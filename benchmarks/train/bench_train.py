@@ -64,9 +64,23 @@ CASES: dict[str, dict] = {
     "vl3b_32k_muon": dict(family="qwen2_5_vl", preset="3b", T=32768, optimizer="muon", data="vl", layout=VL_32K),
     "text3b_16k": dict(family="qwen2_5", preset="3b", T=16384, optimizer="adamw", data="text", layout=TEXT_16K),
     "text1p5b_16k": dict(family="qwen2_5", preset="1.5b", T=16384, optimizer="adamw", data="text", layout=TEXT_16K),
+    # Qwen3-1.7B shape, causal LM against masked diffusion (bidirectional), AdamW and Muon
+    "qwen3_1p7b_16k": dict(family="qwen3", config="qwen3_1p7b", T=16384, optimizer="adamw", data="text", layout=TEXT_16K),
+    "qwen3_1p7b_16k_md": dict(family="qwen3", config="qwen3_1p7b", T=16384, optimizer="adamw", data="text", layout=TEXT_16K, objective="masked_diffusion"),
+    "qwen3_1p7b_16k_muon": dict(family="qwen3", config="qwen3_1p7b", T=16384, optimizer="muon", data="text", layout=TEXT_16K),
+    "qwen3_1p7b_16k_md_muon": dict(family="qwen3", config="qwen3_1p7b", T=16384, optimizer="muon", data="text", layout=TEXT_16K, objective="masked_diffusion"),
     "hf_sdpa": dict(baseline=True, liger=False, T=16384),
     "hf_sdpa_liger": dict(baseline=True, liger=True, T=16384),
 }  # fmt: skip
+# Model shapes given as HF config keys (families without a preset of that size)
+CONFIGS = {
+    "qwen3_1p7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+}  # fmt: skip
+# masked diffusion's mask token in the benchmark's local tokenizer: <|audio_pad|>, never in text
+MD_ARGS = {"mask_token_id": 7}
 # CLI flag -> trainer_args key; a flag given on the command line overrides every case's layout
 AC_FLAGS = {
     "ac": "activation_checkpointing",
@@ -94,14 +108,19 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
         load["tiny"] = True
         if case["data"] == "vl":
             load["config"] = {"vision_config": {"patch_size": 14, "window_size": 112}}
+    elif case.get("config"):
+        load["config"] = CONFIGS[case["config"]]
     else:
         load["preset"] = case["preset"]
     T = 1024 if args.tiny else case["T"]
+    objective = case.get("objective", "causal_lm")
     return {
         "model_config": {
             "load_from_config": load,
             "processor_path": str(work / f"processor_{family}"),
             "build_local_processor": True,
+            "objective": objective,
+            "objective_args": MD_ARGS if objective == "masked_diffusion" else {},
         },
         "dataset_config": {
             "dataset_path": str(work / f"data_{case['data']}" / "train.parquet"),

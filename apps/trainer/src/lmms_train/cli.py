@@ -6,6 +6,7 @@
     lmms-train docs                                     print the config reference (docs/config.md)
     lmms-train check-data CONFIG.yaml [--num-records N] the data path over N records: speed, tokens, media, bad records, a sample
     lmms-train convert-config ENGINE.yaml [-o OUT.yaml] rewrite an lmms-engine config (docs/migrating-from-lmms-engine.md)
+    lmms-train sample CKPT_DIR --prompt TEXT [...]      decode from a masked-diffusion checkpoint (docs/diffusion-lm.md)
     lmms-train --version                                versions of lmms packages, torch, transformers
     --debug (anywhere)                                  show the traceback of user errors too
 

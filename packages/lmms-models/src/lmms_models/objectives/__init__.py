@@ -3,7 +3,7 @@
 ``get_objective("causal_lm")`` (the default) or ``get_objective("masked_diffusion", mask_token_id=...)``
 returns an :class:`Objective` whose :meth:`~Objective.loss` turns ``(spec, model, batch, context)``
 into :class:`ObjectiveOutput` ``(loss_sum, count, metrics)``. New objectives register with
-:func:`register_objective` and are imported here once (docs/objectives.md).
+:func:`register_objective` and are imported here once. Masked diffusion: docs/diffusion-lm.md.
 """
 
 from ._base import (
