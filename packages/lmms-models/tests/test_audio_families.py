@@ -11,8 +11,10 @@ from lmms_models import get_model_spec
 from lmms_models._audio import whisper_encoder_flops
 from lmms_models.testing_audio import (
     AudioSampleSpec,
+    OmniSampleSpec,
     audio_reference_loss_sum,
     make_audio_sample,
+    make_omni_sample,
     pack_audio_samples,
 )
 
@@ -149,3 +151,90 @@ def test_build_meta_and_hooks(name):
     assert len(spec.vision_blocks(model)) == model.config.audio_config.encoder_layers
     assert len(spec.block_classes(model)) == 2
     assert spec.processor_family == name
+
+
+def _omni_samples():
+    return [
+        OmniSampleSpec(text=10, prompt=2),
+        OmniSampleSpec(text=1, prompt=0),  # a length-1 sample
+        OmniSampleSpec(text=4, images=[(1, 4, 4)], audios=[150]),
+        # video + its own sound track, interleaved in 2 s chunks (3 temporal patches of 1.25 s),
+        # then an image and a standalone audio: every modality in one sample
+        OmniSampleSpec(
+            text=3,
+            videos=[(3, 4, 4)],
+            video_audio=[370],
+            images=[(1, 2, 6)],
+            audios=[45],
+            second_per_grid=1.25,
+        ),
+        OmniSampleSpec(text=5, videos=[(2, 2, 2)], audios=[250]),  # video without its audio
+    ]
+
+
+def omni_pack(reference_attn="sdpa"):
+    torch.manual_seed(0)
+    spec = get_model_spec("qwen2_5_omni")
+    model = spec.build(config=spec.tiny_config(), attn_backend=reference_attn)
+    gen = torch.Generator().manual_seed(1)
+    samples = [make_omni_sample(spec, model.config, s, gen=gen) for s in _omni_samples()]
+    total = sum(s["input_ids"].numel() for s in samples)
+    return spec, model, samples, pack_audio_samples(spec, model, samples, pad_to=total + 3)
+
+
+def test_omni_packed_matches_unpacked_upstream():
+    """Qwen2.5-Omni thinker: packs mixing text, image, video, audio and video-with-audio
+    (TMRoPE positions from upstream's get_rope_index per sample) == upstream unpacked."""
+    spec, model, samples, batch = omni_pack()
+    ref, n_ref = audio_reference_loss_sum(spec, model, samples)
+    ref.backward()
+    g_ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+    spec.set_attention(model, backend="varlen_sdpa")
+    assert spec.audio_tower(model).config._attn_implementation.startswith("lmms_flash_vision")
+    loss, count = spec.packed_forward(model, batch)
+    loss.backward()
+    g = _grads(model)
+    assert int(count) == n_ref == batch["num_loss_tokens"]
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    assert g.keys() == g_ref.keys()
+    for part in ("audio_tower.layers", "audio_tower.proj", "visual.blocks", "language_model"):
+        assert any(part in k for k in g), part
+    for k in g_ref:
+        torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-6, msg=k)
+    # positions are TMRoPE, not plain: the video-with-audio sample's rows differ from arange
+    pos = batch["position_ids"]
+    assert not torch.equal(pos[1], pos[0]) and not torch.equal(pos[2], pos[3])
+    with torch.no_grad():  # the check can fail: text positions instead of TMRoPE
+        flat = dict(batch, position_ids=batch["position_ids"][0].expand(4, -1).clone())
+        wrong, _ = spec.packed_forward(model, flat)
+        assert not torch.allclose(wrong, loss, rtol=1e-5)
+
+
+def test_omni_hooks_and_flops():
+    from lmms_models.families.qwen2_5_omni import omni_audio_flops
+
+    spec = get_model_spec("qwen2_5_omni")
+    model = spec.build(config=spec.tiny_config(), device="meta")
+    tower, visual = spec.audio_tower(model), spec.vision_tower(model)
+    assert spec.vision_blocks(model) == [*visual.blocks, *tower.layers]  # FSDP2 / AC units
+    assert len(spec.block_classes(model)) == 3
+    ac = model.config.audio_config
+    n = lambda mods: sum(p.numel() for m in mods for p in m.parameters())  # noqa: E731
+    p = spec.vision_matmul_params(model.config)  # the Qwen2.5-VL count fits its ViT
+    assert p["per_patch"] + p["per_merged"] == n([visual])
+    lens = torch.tensor([37, 450])  # chunks of 200 frames: [37], [200, 200, 50]
+    after = [19, 225]
+    want = 6 * (n([tower.conv1]) * 487 + n([tower.conv2, tower.layers]) * sum(after))
+    want += 6 * n([tower.ln_post, tower.proj]) * (9 + 112)
+    want += 12 * ac.encoder_layers * ac.d_model * (19**2 + 2 * 100**2 + 25**2)
+    assert omni_audio_flops(ac, lens) == pytest.approx(want)
+    grid = torch.tensor([[1, 4, 4]])
+    batch = {"image_grid_thw": grid, "audio_feature_lens": lens}
+    assert spec.media_flops(model.config, batch) == pytest.approx(
+        want + spec.vision_flops(model.config, grid)
+    )
+    assert spec.lm_matmul_params(model.config) == sum(
+        p.numel() for k, p in model.named_parameters()
+        if k.startswith(("model.language_model", "lm_head")) and "embed_tokens" not in k
+    )  # fmt: skip

@@ -19,9 +19,18 @@ from torch import nn
 
 from ._audio import AUDIO_TYPE_ID, whisper_lengths
 from ._spec import IGNORE_INDEX, ModelSpec
-from .testing import pack_samples
 
-__all__ = ["AudioSampleSpec", "audio_reference_loss_sum", "make_audio_sample", "pack_audio_samples"]
+__all__ = [
+    "AudioSampleSpec",
+    "OmniSampleSpec",
+    "audio_reference_loss_sum",
+    "make_audio_sample",
+    "make_omni_sample",
+    "pack_audio_samples",
+]
+
+_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                "second_per_grid_ts")  # fmt: skip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,26 +85,46 @@ def make_audio_sample(
 
 
 def pack_audio_samples(
-    spec: ModelSpec,
-    model: nn.Module,
-    samples: Sequence[dict[str, torch.Tensor]],
-    *,
-    pad_to: int = 0,
+    spec: ModelSpec, model: nn.Module, samples: Sequence[dict[str, Any]], *, pad_to: int = 0
 ) -> dict[str, Any]:
-    """:func:`lmms_models.testing.pack_samples` plus the audio entries in pack order."""
-    batch = pack_samples(spec, model, samples, pad_to=pad_to)
-    n = batch["input_ids"].numel()
-    types = torch.zeros(n, dtype=torch.long)
-    off = 0
+    """Concatenate ``samples`` into one packed batch (docs/contracts.md), positions per sample
+    from ``spec.sample_position_ids`` with each sample's ``position_media``, media in pack order
+    (the audio entries, and for omni models the vision entries too)."""
+    ids, labels, shift, pos, types, lens = [], [], [], [], [], []
     for s in samples:
-        types[off : off + s["input_ids"].numel()] = s["mm_token_type_ids"]
-        off += s["input_ids"].numel()
-    batch["mm_token_type_ids"] = types
-    for key in ("input_features", "audio_feature_lens", "audio_frames"):
+        ids.append(s["input_ids"])
+        labels.append(s["labels"])
+        sh = torch.full_like(s["labels"], IGNORE_INDEX)
+        sh[:-1] = s["labels"][1:]
+        shift.append(sh)
+        pos.append(spec.sample_position_ids(model, s["input_ids"], **s.get("position_media", {})))
+        types.append(s["mm_token_type_ids"])
+        lens.append(s["input_ids"].numel())
+    n_real, pad = len(lens), pad_to - sum(lens)
+    if pad > 0:
+        ids.append(torch.zeros(pad, dtype=torch.long))
+        for lst in (labels, shift):
+            lst.append(torch.full((pad,), IGNORE_INDEX))
+        pos.append(torch.arange(pad).expand(pos[0].shape[0], -1))
+        types.append(torch.zeros(pad, dtype=torch.long))
+        lens.append(pad)
+    position_ids = torch.cat(pos, -1)
+    batch: dict[str, Any] = {
+        "input_ids": torch.cat(ids),
+        "labels": torch.cat(labels),
+        "shift_labels": torch.cat(shift),
+        "position_ids": position_ids[0] if position_ids.shape[0] == 1 else position_ids,
+        "cu_seqlens": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
+        "max_seqlen": max(lens),
+        "num_samples": n_real,
+        "mm_token_type_ids": torch.cat(types),
+    }
+    batch["num_loss_tokens"] = int((batch["shift_labels"] != IGNORE_INDEX).sum())
+    for key in (*_VISION_KEYS, "input_features", "audio_feature_lens", "audio_frames"):
         vals = [s[key] for s in samples if key in s]
         if vals:
             batch[key] = torch.cat(vals)
-    batch["audio_tokens"] = int((types == AUDIO_TYPE_ID).sum())
+    batch["audio_tokens"] = int((batch["mm_token_type_ids"] == AUDIO_TYPE_ID).sum())
     return batch
 
 
@@ -117,7 +146,113 @@ def audio_reference_loss_sum(
         if "ref_features" in s:
             kwargs["input_features"] = s["ref_features"]
             kwargs["feature_attention_mask"] = s["ref_mask"]
+        kwargs.update(s.get("ref_kwargs", {}))
         out = model(**kwargs)
         total = total + out.loss.float() * n
         count += n
     return total, count
+
+
+@dataclass(kw_only=True, slots=True)
+class OmniSampleSpec:
+    """An omni sample: text, images and videos as patch grids ``(t, h, w)``, standalone audios
+    as valid mel-frame counts, and ``video_audio``: each video's own sound track (its frame
+    count), interleaved with the video in ``seconds_per_chunk`` chunks (``use_audio_in_video``)."""
+
+    text: int = 6
+    images: Sequence[tuple[int, int, int]] = ()
+    videos: Sequence[tuple[int, int, int]] = ()
+    audios: Sequence[int] = ()
+    video_audio: Sequence[int] = ()
+    second_per_grid: float = 1.0
+    prompt: int = 2
+
+
+def _chunks(values: torch.Tensor, per_chunk: int) -> list[tuple[int, int]]:
+    """``(start, end)`` index ranges of ``values`` whose values fall in successive windows of
+    ``per_chunk`` (the interleaving rule of upstream's Qwen2.5-Omni processor)."""
+    out, start, chunk = [], 0, 1
+    for i, v in enumerate(values.tolist()):
+        if v >= chunk * per_chunk:
+            out.append((start, i))
+            start, chunk = i, chunk + 1
+    out.append((start, len(values)))
+    return out
+
+
+def make_omni_sample(
+    spec: ModelSpec, config: Any, s: OmniSampleSpec, *, gen: torch.Generator
+) -> dict[str, Any]:
+    """One Qwen2.5-Omni sample in the layout of upstream's processor; ``ref_kwargs`` holds the
+    upstream call's media, ``position_media`` what :meth:`sample_position_ids` needs."""
+    vc, ac = config.vision_config, config.audio_config
+    merge2 = vc.spatial_merge_size**2
+    per_patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+    vs, ve = config.vision_start_token_id, config.vision_end_token_id
+    as_, ae = config.audio_start_token_id, config.audio_end_token_id
+    rand = lambda n: torch.randint(0, 1000, (n,), generator=gen).tolist()  # noqa: E731
+    ids: list[int] = rand(2)
+    pix, vid, clips = [], [], []
+    for t, h, w in s.images:
+        ids += [vs] + [config.image_token_id] * (t * h * w // merge2) + [ve] + rand(1)
+        pix.append(torch.randn(t * h * w, per_patch, generator=gen))
+    for i, (t, h, w) in enumerate(s.videos):
+        vid.append(torch.randn(t * h * w, per_patch, generator=gen))
+        n_vid = t * h * w // merge2
+        if not s.video_audio:
+            ids += [vs] + [config.video_token_id] * n_vid + [ve] + rand(1)
+            continue
+        frames = s.video_audio[i]
+        clips.append(frames)
+        n_aud = int(whisper_lengths(torch.tensor(frames))[1])
+        per = int(config.position_id_per_seconds * config.seconds_per_chunk)
+        t_idx = (torch.arange(t) * s.second_per_grid * config.position_id_per_seconds).long()
+        v_vals = t_idx.repeat_interleave(n_vid // t)
+        v_chunks, a_chunks = _chunks(v_vals, per), _chunks(torch.arange(n_aud), per)
+        ids += [vs, as_]
+        for j in range(max(len(v_chunks), len(a_chunks))):
+            if j < len(v_chunks):
+                ids += [config.video_token_id] * (v_chunks[j][1] - v_chunks[j][0])
+            if j < len(a_chunks):
+                ids += [config.audio_token_id] * (a_chunks[j][1] - a_chunks[j][0])
+        ids += [ae, ve, *rand(1)]
+    for frames in s.audios:
+        clips.append(frames)
+        n_aud = int(whisper_lengths(torch.tensor(frames))[1])
+        ids += [as_] + [config.audio_token_id] * n_aud + [ae] + rand(1)
+    ids += rand(s.text)
+    input_ids = torch.tensor(ids, dtype=torch.long)
+    labels = input_ids.clone()
+    labels[: s.prompt] = IGNORE_INDEX
+    special = (config.image_token_id, config.video_token_id, config.audio_token_id, vs, ve, as_, ae)
+    labels[torch.isin(input_ids, torch.tensor(special))] = IGNORE_INDEX
+    types = torch.zeros_like(input_ids)
+    types[input_ids == config.image_token_id] = 1
+    types[input_ids == config.video_token_id] = 2
+    types[input_ids == config.audio_token_id] = AUDIO_TYPE_ID
+    out: dict[str, Any] = {"input_ids": input_ids, "labels": labels, "mm_token_type_ids": types}
+    ref: dict[str, Any] = {"attention_mask": torch.ones_like(input_ids)[None]}
+    media: dict[str, Any] = {}
+    if pix:
+        out["pixel_values"] = ref["pixel_values"] = torch.cat(pix)
+        out["image_grid_thw"] = media["image_grid_thw"] = torch.tensor(list(s.images))
+        ref["image_grid_thw"] = out["image_grid_thw"]
+    if vid:
+        out["pixel_values_videos"] = ref["pixel_values_videos"] = torch.cat(vid)
+        out["video_grid_thw"] = media["video_grid_thw"] = torch.tensor(list(s.videos))
+        ref["video_grid_thw"] = out["video_grid_thw"]
+        spg = torch.full((len(s.videos),), s.second_per_grid)
+        out["second_per_grid_ts"] = media["second_per_grid_ts"] = spg
+        ref["video_second_per_grid"] = spg
+    if clips:
+        lens = torch.tensor(clips)
+        window = int(lens.max())
+        full = [torch.randn(ac.num_mel_bins, window, generator=gen) for _ in clips]
+        ref["input_features"] = torch.stack(full)  # [n, M, W]
+        ref["feature_attention_mask"] = (torch.arange(window)[None] < lens[:, None]).long()
+        out["input_features"] = torch.cat([f[:, :n].T for f, n in zip(full, clips)])
+        out["audio_feature_lens"] = out["audio_frames"] = media["audio_feature_lens"] = lens
+    if s.video_audio:
+        ref["use_audio_in_video"] = media["use_audio_in_video"] = True
+    out["ref_kwargs"], out["position_media"] = ref, media
+    return out

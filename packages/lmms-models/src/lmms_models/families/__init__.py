@@ -5,6 +5,7 @@ from . import (  # noqa: F401
     llava_onevision,
     qwen2,
     qwen2_5,
+    qwen2_5_omni,
     qwen2_5_vl,
     qwen2_audio,
     qwen3,

@@ -1,0 +1,214 @@
+"""Qwen2.5-Omni thinker (``Qwen2_5OmniThinkerForConditionalGeneration``): the text-generating
+part of Qwen2.5-Omni (the talker and the speech decoder are not trained). A Qwen2.5-VL-style
+windowed ViT, a Whisper-style audio encoder that already attends within 2 s chunks (``n_window``,
+varlen by construction: no 30 s padding) and projects to the text width, and a Qwen2.5 decoder
+with TMRoPE: 3-D positions where video time advances 25 positions per second and, with
+``use_audio_in_video``, a video's frames and its sound track are interleaved in 2 s chunks.
+
+The packed forward feeds upstream modules: positions ``[4, 1, T]`` computed per sample (lmms-data
+at run time, upstream's ``get_rope_index`` in tests), vision through the Qwen-VL host merge, the
+audio tower on the pack's clips (valid frames only, concatenated), all features placed at host-known
+placeholder positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import _flops
+from ..._audio import merge_audio, whisper_lengths
+from ..._registry import register_model
+from ..._spec import to_device
+from ..._vl import merge_tiny
+from ..qwen2_5_vl import Qwen2_5_VLSpec
+
+__all__ = ["QWEN2_5_OMNI_7B", "Qwen2_5OmniSpec"]
+
+_AUDIO_KEYS = ("input_features", "audio_feature_lens", "audio_frames")
+
+# Published Qwen2.5-Omni-7B thinker config values (random weights are used for benchmarks).
+QWEN2_5_OMNI_7B: dict[str, Any] = {
+    "audio_config": {
+        "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20,
+        "encoder_ffn_dim": 5120, "num_mel_bins": 128, "max_source_positions": 1500,
+        "n_window": 100, "output_dim": 3584,
+    },
+    "vision_config": {
+        "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+        "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+        "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+        "in_channels": 3,
+    },
+    "text_config": {
+        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                            "mrope_section": [16, 24, 24]},
+        "tie_word_embeddings": False, "use_cache": False,
+    },
+    "audio_token_id": 151646, "image_token_id": 151655, "video_token_id": 151656,
+    "audio_start_token_id": 151647, "audio_end_token_id": 151648,
+    "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "position_id_per_seconds": 25, "seconds_per_chunk": 2,
+}  # fmt: skip
+
+# Qwen2.5-Omni-3B thinker: the Qwen2.5-3B decoder shape with the same towers.
+QWEN2_5_OMNI_3B: dict[str, Any] = {
+    **QWEN2_5_OMNI_7B,
+    "audio_config": {**QWEN2_5_OMNI_7B["audio_config"], "output_dim": 2048},
+    "vision_config": {**QWEN2_5_OMNI_7B["vision_config"], "out_hidden_size": 2048},
+    "text_config": {
+        **QWEN2_5_OMNI_7B["text_config"], "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+    },
+}  # fmt: skip
+
+_TINY: dict[str, Any] = {
+    "audio_config": {
+        "d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+        "num_mel_bins": 128, "max_source_positions": 1500, "n_window": 100, "output_dim": 64,
+    },
+    "vision_config": {
+        "depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
+        "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
+        "temporal_patch_size": 2, "window_size": 16, "fullatt_block_indexes": [1],
+        "in_channels": 3,
+    },
+    "text_config": {
+        "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "mrope_section": [4, 2, 2]},
+        "tie_word_embeddings": False, "use_cache": False,
+    },
+    "image_token_id": 1000, "video_token_id": 1001, "vision_start_token_id": 1002,
+    "vision_end_token_id": 1003, "audio_token_id": 1006, "audio_start_token_id": 1007,
+    "audio_end_token_id": 1008, "position_id_per_seconds": 25, "seconds_per_chunk": 2,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def omni_audio_flops(audio_config: Any, feature_lens: Any) -> float:
+    """Training FLOPs of the Qwen2.5-Omni audio encoder on clips of ``feature_lens`` valid frames:
+    ``6·N`` per frame (first convolution), per position (second convolution, blocks) and per
+    token (``ln_post``, ``proj``), plus attention within each chunk of ``2·n_window`` frames."""
+    g = lambda k: _flops._get(audio_config, k)  # noqa: E731
+    d, ffn, layers = g("d_model"), g("encoder_ffn_dim"), g("encoder_layers")
+    lens = torch.as_tensor(feature_lens).reshape(-1).long()
+    after_conv, out_len = whisper_lengths(lens)
+    chunk = 2 * g("n_window")
+    sq = 0.0
+    for n in lens.tolist():  # chunks of `chunk` frames, the last partial
+        full, rest = divmod(n, chunk)
+        sizes = [chunk] * full + ([rest] if rest else [])
+        sq += sum(float((s - 1) // 2 + 1) ** 2 for s in sizes)
+    block = 4 * d * d + 3 * d + 2 * d * ffn + ffn + d + 4 * d
+    per_out = 2 * d + d * g("output_dim") + g("output_dim")
+    dense = (3 * g("num_mel_bins") * d + d) * float(lens.sum())
+    dense += (3 * d * d + d + layers * block) * float(after_conv.sum()) + per_out * float(
+        out_len.sum()
+    )
+    return 6.0 * dense + 12.0 * layers * d * sq
+
+
+@register_model("qwen2_5_omni")
+class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
+    processor_family = "qwen2_5_omni"
+    config_class = "Qwen2_5OmniThinkerConfig"
+    model_class = "Qwen2_5OmniThinkerForConditionalGeneration"
+    media_keys = (*Qwen2_5_VLSpec.media_keys, *_AUDIO_KEYS)
+    host_keys = (*Qwen2_5_VLSpec.host_keys, "audio_feature_lens", "audio_frames")
+    presets = {"3b": QWEN2_5_OMNI_3B, "7b": QWEN2_5_OMNI_7B}  # noqa: RUF012
+
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        out = merge_tiny(_TINY, {k: v for k, v in overrides.items() if k != "audio_config"})
+        if isinstance(overrides.get("audio_config"), dict):
+            out["audio_config"] = {**out["audio_config"], **overrides["audio_config"]}
+        return out
+
+    def audio_tower(self, model: nn.Module) -> nn.Module:
+        return self.base_model(model).audio_tower
+
+    def vision_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """Both towers' blocks (FSDP2 units, activation checkpointing, compile)."""
+        return [*super().vision_blocks(model), *self.audio_tower(model).layers]
+
+    def set_attention(self, model: nn.Module, **kwargs: Any) -> dict[str, str]:
+        """The audio tower gets the vision tower's attention (never the text one: that may be
+        the Ulysses SP wrapper, and the audio chunks are not the pack's segments)."""
+        names = super().set_attention(model, **kwargs)
+        self.audio_tower(model).config._attn_implementation = names["vision"]
+        return names
+
+    def sample_position_ids(
+        self, model: nn.Module, input_ids: torch.Tensor, **media: Any
+    ) -> torch.Tensor:
+        """``[4, L]`` through upstream's ``get_rope_index`` (TMRoPE). ``media``: the grids,
+        ``audio_feature_lens``, ``second_per_grid_ts`` and ``use_audio_in_video``."""
+        ids = input_ids.reshape(1, -1)  # [1, L]
+        rows, _ = self.base_model(model).get_rope_index(
+            ids, media.get("image_grid_thw"), media.get("video_grid_thw"),
+            torch.ones_like(ids), bool(media.get("use_audio_in_video", False)),
+            media.get("audio_feature_lens"), media.get("second_per_grid_ts"),
+        )  # fmt: skip
+        text = torch.arange(ids.shape[1], device=ids.device)[None]
+        return torch.cat([text, rows[:, 0].to(text.dtype)], 0)  # [4, L]
+
+    def merge_media(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Vision through the Qwen-VL host merge, then the audio tower's features at the audio
+        placeholders. Under torch.distributed a tower whose media the pack lacks runs on its
+        dummy input (times zero), always in the order vision, audio: with two towers the
+        trainer's single-tower participation hook cannot keep every rank's FSDP collectives in
+        the same order, this does."""
+        audio = {k: inputs.get(k) for k in _AUDIO_KEYS}
+        rest = {k: v for k, v in inputs.items() if k not in _AUDIO_KEYS}
+        types = rest.get("mm_token_type_ids")
+        if types is not None:
+            rest["mm_token_type_ids"] = types = types.reshape(-1).cpu()  # host positions
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        out = super().merge_media(model, rest)  # images, videos (if any) -> inputs_embeds
+        vision_ran = "inputs_embeds" in out
+        if audio["input_features"] is None and not distributed:
+            return out
+        base = self.base_model(model)
+        embeds = (
+            out["inputs_embeds"] if vision_ran else base.get_input_embeddings()(out["input_ids"])
+        )
+        zero = embeds.new_zeros((), dtype=torch.float32)  # [1, T, H] embeds above
+        if distributed and not vision_ran:
+            dummy = self.vision_tower(model)(**self.dummy_vision_inputs(model, embeds.device))
+            zero = zero + dummy.pooler_output.float().sum() * 0.0
+        tower, dev = self.audio_tower(model), embeds.device
+        if audio["input_features"] is not None:
+            if types is None:
+                raise ValueError("audio in a pack needs mm_token_type_ids (3 on audio tokens)")
+            lens = audio["audio_feature_lens"].reshape(-1).long().cpu()
+            feats = tower(
+                input_features=to_device(audio["input_features"], dev).transpose(0, 1),  # [M, F]
+                feature_lens=to_device(lens, dev),
+                aftercnn_lens=to_device(whisper_lengths(lens)[0], dev),
+            ).last_hidden_state  # [N, H]
+            embeds = merge_audio(embeds, types, feats)
+        elif distributed:  # the smallest clip: 4 frames, one token
+            dummy = tower(
+                input_features=torch.zeros(tower.conv1.weight.shape[1], 4, device=dev),
+                feature_lens=torch.tensor([4], device=dev),
+                aftercnn_lens=torch.tensor([2], device=dev),
+            ).last_hidden_state
+            zero = zero + dummy.float().sum() * 0.0
+        dropped = ("input_ids", "mm_token_type_ids", "pixel_values", "pixel_values_videos",
+                   "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "inputs_embeds")  # fmt: skip
+        kept = {k: v for k, v in out.items() if k not in dropped}
+        return {**kept, "inputs_embeds": embeds + zero.to(embeds.dtype)}
+
+    def media_flops(self, config: Any, batch: dict[str, Any]) -> float:
+        total = super().media_flops(config, batch)
+        lens = batch.get("audio_feature_lens")
+        if lens is not None and len(lens):
+            total += omni_audio_flops(config.audio_config, lens)
+        return total
