@@ -200,7 +200,7 @@ def test_errors_name_the_fix():
     model.config.mask_token_id = 7  # a dLLM checkpoint's config carries it
     obj = get_objective("masked_diffusion")
     obj.prepare_model(spec, model)
-    assert obj.mask_token_id == 7 and obj.hf_config_updates()["is_causal"] is False
+    assert obj.mask_token_id == 7 and model.config.is_causal is False
 
 
 @pytest.mark.gpu

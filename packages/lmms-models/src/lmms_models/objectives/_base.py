@@ -86,9 +86,11 @@ class Objective:
     * :meth:`prepare_model` once after the model is built, before any parallelism is applied
       (e.g. make the decoder's attention bidirectional);
     * :meth:`count_tokens` per micro-batch on the host (the global normaliser is their sum);
-    * :meth:`loss` per micro-batch, inside the trainer's forward (FSDP2's root unit around it);
-    * :meth:`state_dict` / :meth:`load_state_dict` with every checkpoint (for objectives that keep
-      random state; the built-in ones are stateless functions of :class:`ObjectiveContext`).
+    * :meth:`loss` per micro-batch, inside the trainer's forward (FSDP2's root unit around it).
+
+    Objectives keep no state across steps: their randomness is a function of
+    :class:`ObjectiveContext` and the batch, so checkpoints hold nothing of them and a resumed run
+    redraws the same values.
     """
 
     name: ClassVar[str] = ""
@@ -127,18 +129,6 @@ class Objective:
         self, spec: Any, model: nn.Module, batch: dict[str, Any], ctx: ObjectiveContext
     ) -> ObjectiveOutput:
         raise NotImplementedError(f"objective {self.name!r} defines no loss")
-
-    def hf_config_updates(self) -> dict[str, Any]:
-        """Keys an exported HF ``config.json`` should carry for this objective (e.g. a masked
-        diffusion model's ``is_causal: false`` and ``mask_token_id``). Default: none."""
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            raise ValueError(f"objective {self.name!r} keeps no state, got {sorted(state)}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.options!r})"

@@ -145,13 +145,6 @@ class MaskedDiffusion(Objective):
             c.mask_token_id = int(self.mask_token_id)  # recorded by save_pretrained
             c.lmms_diffusion_shift = bool(self.options.shift)
 
-    def hf_config_updates(self) -> dict[str, Any]:
-        return {
-            "is_causal": False,
-            "mask_token_id": self.mask_token_id,
-            "lmms_diffusion_shift": bool(self.options.shift),
-        }
-
     def count_tokens(self, batch: dict[str, Any]) -> int:
         """Supervised tokens of the row (the causal LM's count when the collator leaves each
         sample's first token unsupervised, as lmms-pack does)."""
