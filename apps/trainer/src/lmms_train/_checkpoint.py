@@ -169,12 +169,15 @@ class RunCheckpointer:
                 )
             return
         try:
+            changed = [d for d in differences or [] if _moves_data(d)]
+            if changed:  # the saved position is one of another packing / order / sample shape
+                raise DataChangedError(f"the data config changed ({'; '.join(changed)})")
             data.load_state_dict(extra["data"])
         except DataChangedError as exc:
             if on_data_change != "restart":
                 raise DataChangedError(
                     f"{exc} since the checkpoint {path} was written: resuming there would read "
-                    "other records than it recorded (restore the files, or set "
+                    "other records than it recorded (restore them, or set "
                     "trainer_args.on_data_change: restart to restart the data order)"
                 ) from None
             if env.is_main:
@@ -183,6 +186,23 @@ class RunCheckpointer:
         except (ValueError, KeyError) as exc:
             raise UserError(f"could not resume the data position from {path}: {exc}") from exc
         set_rng_state(extra["rng"])
+
+
+# dataset_config keys a saved data position does not depend on (the others change which records
+# are read, in which order, or the samples' lengths that the packer's open bins hold)
+_POSITION_FREE = (
+    "eval_dataset_path", "generate_synthetic", "bad_record_policy", "max_bad_record_ratio",
+    "min_records_for_ratio", "data_folder", "allow_absolute_paths", "processor_path",
+    "prefetch_factor", "num_epochs",
+)  # fmt: skip
+
+
+def _moves_data(difference: str) -> bool:
+    """Whether a `dataset_config.key...: a -> b` difference invalidates the saved position."""
+    key = difference.split(":", 1)[0]
+    if not key.startswith("dataset_config."):
+        return False
+    return key.split(".")[1] not in _POSITION_FREE
 
 
 def _os_error(exc: BaseException) -> OSError | None:

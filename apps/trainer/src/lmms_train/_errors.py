@@ -66,14 +66,14 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def os_error_message(exc: OSError, doing: str = "") -> str | None:
+def os_error_message(exc: OSError) -> str | None:
     """One line for an OSError the user's machine caused (disk full, no permission, read-only
     file system), or None for any other OSError (left to surface as a bug)."""
-    where = exc.filename or ""
-    what = f"{doing}{' ' if doing and where else ''}{where}" or "writing"
+    where = exc.filename or "a file"
     if exc.errno in _FULL:
-        return f"no space left on the device while {what} (free some space or use another folder)"
+        return f"no space left on the device while writing {where} (free some space or use another folder)"
+    if exc.errno == errno.EROFS:
+        return f"read-only file system while writing {where}: this process cannot write there"
     if exc.errno in _DENIED:
-        kind = "read-only file system" if exc.errno == errno.EROFS else "permission denied"
-        return f"{kind} while {what}: this process cannot write there"
+        return f"permission denied for {where}: this process may not write (or read) there"
     return None

@@ -194,8 +194,6 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
     for i, name in enumerate(q.objective_metrics):  # global sums: numerator / denominator
         num, den = pairs[2 * i], pairs[2 * i + 1]
         metrics[name] = num / den if den > 0 else float("nan")
-    if run.guard.policy == "skip":
-        metrics["skipped_steps"] = run.guard.skipped
     if q.evaluate:
         metrics["eval_loss"] = evaluate(run)
     if env.is_main:
@@ -285,6 +283,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                 "packing_fill_ratio": per_sp["tokens"] / max(per_sp["capacity"], 1.0),
                 **gc_clock.take(),  # this step's host loop (and the previous step's metrics)
             }
+            if run.guard.policy == "skip":  # steps whose update was dropped, so far
+                host["skipped_steps"] = run.guard.skipped
             if t.compile:  # a rise after the first steps is a recompile mid-run
                 host["compile/graphs"] = lmms_kernels.compile_counts()["graphs"]
             fa4 = lmms_kernels.fa4_variants()
