@@ -96,5 +96,10 @@ def test_engine_config_converts_and_trains(tiny_inputs, tmp_path, capsys):
     assert cfg.model_config.processor_path == tiny_inputs["processor"]
     assert cfg.trainer_args.gradient_accumulation_steps == 2
     train(cfg)
+    err = capsys.readouterr().err  # the start banner and the one-line summary
+    for needle in ("[lmms-train] model    qwen2_5_vl from qwen2_5_vl tiny config", "parameters",
+                   "[lmms-train] devices  1 x cpu", "[lmms-train] data     ", "fresh start",
+                   "[lmms-train] done: 1/1 steps", "final loss", "metrics.jsonl"):  # fmt: skip
+        assert needle in err, (needle, err[-2000:])
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert sum('"loss"' in ln for ln in lines) >= 1

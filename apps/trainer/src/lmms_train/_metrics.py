@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -81,6 +82,8 @@ class ConsoleSink:
     def __init__(self, total: int, initial: int = 0, every: int = 1) -> None:
         self.every = max(1, every)
         self.total = total
+        self.initial = initial
+        self.started = time.perf_counter()
         self._bar = None
         if sys.stderr.isatty():
             try:
@@ -92,9 +95,29 @@ class ConsoleSink:
 
     @staticmethod
     def _fmt(key: str, value: Any) -> str:
-        if isinstance(value, float):
-            return f"{key}={value:.4g}"
-        return f"{key}={value}"
+        """Readable values: loss 2.3456, lr 2.00e-05, grad_norm 1.23, tokens/s 12.3k, MFU 36.9%."""
+        from lmms_train._banner import human
+
+        if not isinstance(value, float):
+            return f"{key}={value}"
+        if key == "lr":
+            return f"lr={value:.2e}"
+        if key == "tokens_per_sec":
+            return f"tok/s={human(value)}"
+        if key.startswith("mfu"):
+            return f"{key}={100 * value:.3g}%"
+        if key in ("loss", "eval_loss"):
+            return f"{key}={value:.4f}"
+        return f"{key}={value:#.3g}"
+
+    def _clock(self, step: int) -> str:
+        """Elapsed time and the ETA from this process's own pace (resumed steps excluded)."""
+        from lmms_train._banner import duration
+
+        elapsed = time.perf_counter() - self.started
+        done = step - self.initial
+        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
+        return f"elapsed {duration(elapsed)} eta {duration(eta)}"
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         shown = {k: _clean(metrics[k]) for k in self.KEYS if k in metrics}
@@ -105,9 +128,11 @@ class ConsoleSink:
             )
         elif step % self.every == 0 or step == self.total or "eval_loss" in metrics:
             parts = " ".join(self._fmt(k, v) for k, v in shown.items())
-            extra = f" eval_loss={metrics['eval_loss']:.4g}" if "eval_loss" in metrics else ""
+            extra = f" eval_loss={metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
             print(
-                f"[lmms-train] step {step}/{self.total} {parts}{extra}", file=sys.stderr, flush=True
+                f"[lmms-train] step {step:,}/{self.total:,} {parts}{extra} {self._clock(step)}",
+                file=sys.stderr,
+                flush=True,
             )
 
     def close(self) -> None:

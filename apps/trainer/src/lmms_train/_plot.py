@@ -11,9 +11,12 @@ __all__ = ["plot_run"]
 
 _PANELS = (
     ("loss", "loss", ("loss", "eval_loss")),
+    ("lr", "learning rate", ("lr",)),
+    ("grad_norm", "gradient norm", ("grad_norm",)),
     ("mfu", "MFU", ("mfu", "mfu_lm")),
     ("throughput", "tokens / s", ("tokens_per_sec",)),
 )
+_COLS = 3
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -32,8 +35,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(_PANELS), figsize=(5 * len(_PANELS), 3.6))
-    for ax, (_, title, keys) in zip(axes, _PANELS, strict=True):
+    rows = -(-len(_PANELS) // _COLS)
+    fig, grid = plt.subplots(rows, _COLS, figsize=(5 * _COLS, 3.4 * rows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[len(_PANELS) :]:
+        ax.set_visible(False)
+    for ax, (_, title, keys) in zip(axes, _PANELS, strict=False):
         for key in keys:
             pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
             if pts:

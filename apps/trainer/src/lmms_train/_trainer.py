@@ -13,6 +13,7 @@ fails to start leaves the folder as it was.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 import yaml
 
+from lmms_train._banner import end_summary, start_banner
 from lmms_train._checkpoint import RunCheckpointer, saved_config
 from lmms_train._data_setup import build_data, prepare_inputs
 from lmms_train._dist import DistEnv, init_distributed
@@ -126,6 +128,7 @@ def _sinks(cfg: TrainConfig, out: Path, resume_step: int | None) -> MetricsLogge
 def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
     t = cfg.trainer_args
     out = Path(t.output_dir)
+    started = time.perf_counter()
     _build_mesh(cfg, env)
     spec = resolve_spec(cfg)
     checkpointer = RunCheckpointer(out, t.save_total_limit, config_to_dict(cfg))
@@ -161,6 +164,9 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
             )
     if env.is_main:  # only now: a run that could not start leaves the folder's config alone
         (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        banner = start_banner(cfg, env, spec, built.state_module, out=out, resumed=resume,
+                              step=state.step)  # fmt: skip
+        print(banner, file=sys.stderr, flush=True)
     logger = (
         _sinks(cfg, out, state.step if resume is not None else None)
         if env.is_main
@@ -211,6 +217,11 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
                    processor_path=_processor_path(cfg), dtype=t.export_dtype)  # fmt: skip
     if env.is_main:
         _plot_quietly(out)
+        summary = end_summary(out=out, steps=state.step, max_steps=t.max_steps,
+                              tokens=state.tokens_seen, seconds=time.perf_counter() - started,
+                              metrics=last, stopped=run.stopped,
+                              exported=t.export_hf and (out / "hf").is_dir())  # fmt: skip
+        print(summary, file=sys.stderr, flush=True)
     return TrainOutcome(metrics=last, stopped=run.stopped)
 
 
