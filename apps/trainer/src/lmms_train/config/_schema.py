@@ -117,7 +117,9 @@ class DatasetConfig:
         "", "File, folder or glob of record shards, or a list of them (a mixture) (required)."
     )
     dataset_format: str | None = _f(
-        None, "`jsonl`, `parquet`, `arrow` or `hf`; default: from the file extension."
+        None,
+        "`jsonl`, `json` (one JSON array of records, or JSON Lines: sniffed), `parquet`, `arrow` "
+        "or `hf`; default: from the file extension.",
     )
     data_folder: str | None = _f(
         None, "Base folder of relative media paths in records (default: the shard's folder)."
