@@ -191,3 +191,26 @@ def test_llava_and_openai_arrays_through_the_vl_processor(tmp_path, proc25):
     u = discover_units(str(tmp_path / "llava.json"), None, 1)[0]
     p, _, raw = next(iter_unit(u))
     assert decode_raw(u, p, 0, raw)["id"] == "r0"
+
+
+def test_sharegpt_array_through_the_text_processor(tmp_path):
+    from lmms_data import build_local_processor
+
+    proc = build_local_processor(str(tmp_path / "proc"), "qwen2_5")
+    recs = [{"id": i, "conversations": [
+        {"from": "system", "value": "Answer briefly."},
+        {"from": "human", "value": f"What is {i} + 1?"},
+        {"from": "gpt", "value": f"{i + 1}."},
+        {"from": "human", "value": "And doubled?"},
+        {"from": "gpt", "value": f"{2 * (i + 1)}."}]} for i in range(4)]  # fmt: skip
+    (tmp_path / "sharegpt.json").write_text(json.dumps(recs, indent=2))
+    cfg = DatasetConfig(dataset_path=str(tmp_path / "sharegpt.json"), processor_family="qwen2_5",
+                        packing=False, num_epochs=1, shuffle=False, bad_record_policy="raise")  # fmt: skip
+    p = build_processor("qwen2_5", proc["path"], cfg)
+    batches = list(SlotStream(cfg, discover(cfg, 1), p, slot=0, n_slots=1, as_torch=False))
+    assert len(batches) == 4
+    tok = p.tokenizer
+    for i, b in enumerate(batches):
+        sup = b["labels"][b["labels"] != -100]
+        text = tok.decode(sup)  # both assistant turns supervised, nothing else
+        assert text == f"{i + 1}.<|im_end|>{2 * (i + 1)}.<|im_end|>", text
