@@ -31,7 +31,9 @@ def _peak_hz(x: np.ndarray, rate: int) -> float:
     return float(np.fft.rfftfreq(len(x), 1 / rate)[spec.argmax()])
 
 
-def _encode_av(x: np.ndarray, rate: int, fmt: str, codec: str, *, video: bool = False) -> bytes:
+def _encode_av(
+    x: np.ndarray, rate: int, fmt: str, codec: str, *, video: bool = False, frames: int = 5
+) -> bytes:
     """Compressed audio (or a video with a sound track) written by PyAV (FFmpeg)."""
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as c:
@@ -55,8 +57,8 @@ def _encode_av(x: np.ndarray, rate: int, fmt: str, codec: str, *, video: bool = 
         for p in st.encode(None):
             c.mux(p)
         if video:
-            for i in range(5):
-                img = np.full((32, 32, 3), 40 * i, np.uint8)
+            for i in range(frames):
+                img = np.full((32, 32, 3), (40 * i) % 250, np.uint8)
                 for p in vs.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
                     c.mux(p)
             for p in vs.encode(None):

@@ -6,7 +6,9 @@ special tokens of the Qwen audio models appended (``<|AUDIO|>``, ``<|audio_bos|>
 template does (``Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>``), and the model's own feature
 extractor: Whisper log-mel with the released settings (128 mel bins, 16 kHz, 10 ms hop, 25 ms
 window, 30 s window). The folder loads with ``AutoTokenizer`` / ``AutoFeatureExtractor`` and,
-for ``qwen2_audio``, with transformers' ``Qwen2AudioProcessor`` (the parity tests use it).
+for ``qwen2_audio``, with transformers' ``Qwen2AudioProcessor`` (the parity tests use it);
+``qwen2_5_omni`` adds the Qwen-VL image processor (``AutoImageProcessor``) and a template that
+renders images and videos as the Qwen-VL folders do and audio with the markers above.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 __all__ = ["AUDIO_FAMILIES", "AUDIO_SPECIAL_TOKENS", "build_local_audio_processor"]
 
-AUDIO_FAMILIES = ("qwen2_audio",)
+AUDIO_FAMILIES = ("qwen2_audio", "qwen2_5_omni")
 AUDIO_SPECIAL_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
 
 AUDIO_CHAT_TEMPLATE = (
@@ -30,6 +32,22 @@ AUDIO_CHAT_TEMPLATE = (
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'audio' %}{% set audio_count.value = audio_count.value + 1 %}"
     "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+#: Qwen2.5-Omni: images and videos as in the Qwen-VL folders, audio as Qwen2-Audio's markers
+OMNI_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif content['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -61,11 +79,24 @@ def build_local_audio_processor(
     if family not in AUDIO_FAMILIES:
         raise ValueError(f"unknown audio family {family!r}; known: {list(AUDIO_FAMILIES)}")
     os.makedirs(out_dir, exist_ok=True)
+    omni = family == "qwen2_5_omni"
+    template = OMNI_CHAT_TEMPLATE if omni else AUDIO_CHAT_TEMPLATE
     hf_tok = train_tokenizer(
-        vocab_size, (*SPECIAL_TOKENS, *AUDIO_SPECIAL_TOKENS), chat_template=AUDIO_CHAT_TEMPLATE
+        vocab_size, (*SPECIAL_TOKENS, *AUDIO_SPECIAL_TOKENS), chat_template=template
     )
     fe = whisper_feature_extractor()
+    if omni:  # the Qwen-VL image/video processors, then the feature extractor beside them
+        from lmms_data._local_processor import _save_vl
+
+        _save_vl(out_dir, "qwen2_5_vl", hf_tok, 56 * 56, 28 * 28 * 256)
+        hf_tok.chat_template = template
+        hf_tok.save_pretrained(out_dir)
+        with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
+            f.write(template)
+        fe.save_pretrained(out_dir)
     try:
+        if omni:
+            raise ImportError  # saved above
         from transformers import Qwen2AudioProcessor
 
         proc = Qwen2AudioProcessor(
@@ -73,9 +104,10 @@ def build_local_audio_processor(
         )
         proc.save_pretrained(out_dir)
     except (ImportError, AttributeError, TypeError, ValueError):
-        hf_tok.save_pretrained(out_dir)
-        fe.save_pretrained(out_dir)
-    info = _write_info(out_dir, family, hf_tok, patch=None)
+        if not omni:
+            hf_tok.save_pretrained(out_dir)
+            fe.save_pretrained(out_dir)
+    info = _write_info(out_dir, family, hf_tok, patch=14 if omni else None)
     tid = hf_tok.convert_tokens_to_ids
     info.update(
         audio_token_id=tid("<|AUDIO|>"),

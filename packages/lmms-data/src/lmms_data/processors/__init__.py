@@ -8,6 +8,7 @@ from lmms_data.processors._audio import (
 from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
 from lmms_data.processors._llava_onevision import LlavaOnevisionDataProcessor, anyres_image_tokens
 from lmms_data.processors._mrope import mrope_positions
+from lmms_data.processors._omni import Qwen2_5OmniDataProcessor, tmrope_positions
 from lmms_data.processors._qwen_vl import (
     Qwen2_5_VLDataProcessor,
     Qwen3VLDataProcessor,
@@ -19,9 +20,10 @@ from lmms_data.processors._text import TEXT_FAMILIES, QwenTextProcessor
 __all__ = [
     "AUDIO_TYPE_ID",
     "IGNORE_INDEX",
-    "LlavaOnevisionDataProcessor",
     "TEXT_FAMILIES",
+    "LlavaOnevisionDataProcessor",
     "Qwen2AudioDataProcessor",
+    "Qwen2_5OmniDataProcessor",
     "Qwen2_5_VLDataProcessor",
     "Qwen3VLDataProcessor",
     "QwenTextProcessor",
@@ -30,5 +32,6 @@ __all__ = [
     "audio_output_lengths",
     "mrope_positions",
     "smart_resize",
+    "tmrope_positions",
     "tokenize_chat",
 ]

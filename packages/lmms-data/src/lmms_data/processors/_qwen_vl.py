@@ -87,6 +87,10 @@ class QwenVLProcessor:
         self.video_min_pixels, self.video_max_pixels = video_min_pixels, video_max_pixels
         self.video_fps, self.video_max_frames = video_fps, video_max_frames
         self.tokens_per_second = tokens_per_second
+        self._set_tokens()
+
+    def _set_tokens(self) -> None:
+        """The placeholder strings and ids (Qwen-VL's; a family with other names overrides)."""
         tid = self.tokenizer.convert_tokens_to_ids
         self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
         self.image_token_id, self.video_token_id = tid(self.image_token), tid(self.video_token)

@@ -1,0 +1,93 @@
+"""Qwen2.5-Omni processor: TMRoPE positions equal the upstream thinker's get_rope_index on the
+processor's own ids (images, video with its sound track interleaved, standalone audio, chunked),
+token counts follow upstream's formulas, and features come from the folder's extractor."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+pytest.importorskip("soundfile")
+pytest.importorskip("soxr")
+pytest.importorskip("av")
+import soundfile as sf
+import torch
+from PIL import Image
+from test_audio import _encode_av, _tone
+
+import lmms_data as ld
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory):
+    d = tmp_path_factory.mktemp("omni")
+    info = ld.build_local_processor(str(d / "proc"), "qwen2_5_omni")
+    buf = io.BytesIO()
+    Image.fromarray(np.full((60, 90, 3), 120, np.uint8)).save(buf, format="PNG")
+    (d / "img.png").write_bytes(buf.getvalue())
+    sf.write(d / "a.wav", _tone(440, 2.3, 22050), 22050)
+    (d / "v.mp4").write_bytes(
+        _encode_av(_tone(330, 5.2, 16000), 16000, "mp4", "aac", video=True, frames=50)
+    )
+    return d, info
+
+
+def _upstream_positions(info, sample, use_audio_in_video):
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    cfg = Qwen2_5OmniThinkerConfig(
+        audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, output_dim=32),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=14),
+        text_config=dict(vocab_size=info["vocab_size"], hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}),
+        image_token_index=info["image_token_id"], video_token_index=info["video_token_id"],
+        audio_token_index=info["audio_token_id"], audio_start_token_id=info["audio_bos_token_id"],
+        audio_end_token_id=info["audio_eos_token_id"], vision_start_token_id=info["vision_start_token_id"],
+        vision_end_token_id=info["vision_end_token_id"],
+    )  # fmt: skip
+    model = Qwen2_5OmniThinkerForConditionalGeneration(cfg)
+    ids = torch.as_tensor(sample["input_ids"])[None]
+    g = lambda k: torch.as_tensor(sample[k]) if k in sample else None  # noqa: E731
+    pos, _ = model.model.get_rope_index(
+        ids, g("image_grid_thw"), g("video_grid_thw"), torch.ones_like(ids), use_audio_in_video,
+        g("audio_feature_lens"), g("second_per_grid_ts"),
+    )  # fmt: skip
+    return pos[:, 0].numpy()
+
+
+@pytest.mark.parametrize("use_audio_in_video", [True, False])
+def test_positions_and_tokens_equal_upstream(omni, use_audio_in_video):
+    d, info = omni
+    msgs = [
+        {"role": "user", "content": [
+            {"type": "image", "image": str(d / "img.png")},
+            {"type": "video", "video": str(d / "v.mp4")},
+            {"type": "text", "text": "and"},
+            {"type": "audio", "audio": str(d / "a.wav")},
+            {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A tone."}]},
+    ]  # fmt: skip
+    p = ld.build_processor("qwen2_5_omni", info["path"], use_audio_in_video=use_audio_in_video,
+                           video_fps=4.0)  # fmt: skip
+    s = p(msgs)
+    np.testing.assert_array_equal(
+        s["position_ids"][1:], _upstream_positions(info, s, use_audio_in_video)
+    )
+    ids, types = s["input_ids"], s["mm_token_type_ids"]
+    lens = s["audio_feature_lens"].tolist()
+    assert len(lens) == (2 if use_audio_in_video else 1)
+    assert int((ids == info["audio_token_id"]).sum()) == int(
+        ld.processors.audio_output_lengths(np.array(lens)).sum()
+    )
+    assert (types == ld.AUDIO_TYPE_ID).sum() == s["audio_tokens"]
+    assert s["input_features"].shape == (sum(lens), 128)  # valid frames only
+    merge2 = 4
+    assert (ids == info["image_token_id"]).sum() == s["image_grid_thw"].prod(-1).sum() // merge2
+    assert (ids == info["video_token_id"]).sum() == s["video_grid_thw"].prod(-1).sum() // merge2
+    if use_audio_in_video:  # 5 s of video: video and audio tokens alternate in 2 s chunks
+        run = np.flatnonzero(np.diff(types[types >= 2]) != 0)
+        assert len(run) >= 4
+    assert (s["labels"][types != 0] == -100).all()
