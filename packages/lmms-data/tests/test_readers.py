@@ -53,12 +53,26 @@ def shards(tmp_path_factory):
     p["json_array"] = str(d / "arr.json")  # one JSON array (LLaVA / ShareGPT files), pretty-printed
     with open(p["json_array"], "w") as f:
         json.dump([id_record(i) for i in ids], f, indent=2)
+    p["json_array_gz"] = str(d / "arr.json.gz")  # the same array, gzip-compressed
+    with open(p["json_array"], "rb") as f, gzip.open(p["json_array_gz"], "wb") as g:
+        g.write(f.read())
     p["glob"] = str(d / "dir" / "x-*.parquet")
     return p
 
 
 @pytest.mark.parametrize(
-    "key", ["jsonl", "gz", "parquet", "feather", "arrow_stream", "dir", "glob", "json_array"]
+    "key",
+    [
+        "jsonl",
+        "gz",
+        "parquet",
+        "feather",
+        "arrow_stream",
+        "dir",
+        "glob",
+        "json_array",
+        "json_array_gz",
+    ],
 )
 @pytest.mark.parametrize("min_units", [1, 6])
 def test_every_reader_yields_all_records_once(shards, key, min_units):
@@ -91,7 +105,7 @@ def test_jsonl_byte_ranges_and_resume(shards, monkeypatch):
     assert read_at(u, [p])[p] == items[0][2]
 
 
-@pytest.mark.parametrize("key", ["parquet", "gz", "feather", "json_array"])
+@pytest.mark.parametrize("key", ["parquet", "gz", "feather", "json_array", "json_array_gz"])
 def test_resume_mid_unit_and_read_at(shards, key):
     u = discover_units(shards[key], None, 1)[0]
     items = list(iter_unit(u))

@@ -21,10 +21,12 @@ takes 0.85 s and holds every record in memory). Peak memory is the block plus th
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import zlib
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from lmms_data._errors import BadRecordError
 
@@ -93,12 +95,42 @@ class _Cursor:
             grow *= 2
 
 
+NO_END = 1 << 62  # the range end of a gzip array (its size is not known without decompressing)
+
+
+def _open(path: str) -> IO[bytes]:
+    """The file's bytes; a ``.gz`` file decompressed on the fly (its positions are offsets into
+    the decompressed stream; seeking decompresses up to the offset)."""
+    return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
+
+
+def data_size(path: str) -> int:
+    """Bytes of the (decompressed) data: the file size, or one decompression pass for gzip."""
+    if not path.lower().endswith(".gz"):
+        return os.path.getsize(path)
+    n = 0
+    with gzip.open(path, "rb") as f:
+        while chunk := f.read(BLOCK * 8):
+            n += len(chunk)
+    return n
+
+
 def sniff(path: str) -> str:
-    """``json_array`` if the file's first non-blank character is ``[``, else ``jsonl``.
+    """``json_array`` if the file's first non-blank character is ``[``, else ``jsonl`` (a ``.gz``
+    file is looked at decompressed).
 
     Raises ``DataShapeError`` (a ``ValueError``; one line naming the accepted shapes) for a file that is neither.
     """
-    with open(path, "rb") as f:
+    if path.lower().endswith(".gz"):
+        try:
+            with _open(path) as f:
+                cur = _Cursor(f, 0)
+                if cur.peek() and cur.buf.startswith(_BOM, cur.i):
+                    cur.i += len(_BOM)
+                return "json_array" if cur.peek() == "[" else "jsonl"
+        except (OSError, EOFError, zlib.error):  # damaged: the gzip reader's corrupt-file policy
+            return "jsonl"
+    with _open(path) as f:
         cur = _Cursor(f, 0)
         c = cur.peek()
         if cur.buf.startswith(_BOM, cur.i):
@@ -143,7 +175,7 @@ def iter_array(
     offset of the closing ``]``. A syntax error ends the range after one ``malformed_json`` bad
     record (an array cannot be re-synchronised after it).
     """
-    with open(path, "rb") as f:
+    with _open(path) as f:
         start = lo if pos is None else pos
         cur = _Cursor(f, start)
         if start == 0:
@@ -185,7 +217,7 @@ def iter_array(
 
 def read_element(path: str, pos: int) -> bytes | BadRecordError:
     """The bytes of the element starting at byte ``pos`` (a bad record where it does not parse)."""
-    with open(path, "rb") as f:
+    with _open(path) as f:
         cur = _Cursor(f, pos)
         cur.peek()
         try:
@@ -199,7 +231,7 @@ def read_element(path: str, pos: int) -> bytes | BadRecordError:
 def split_points(path: str, k: int) -> list[tuple[int, int]]:
     """Up to ``k`` ``(byte offset, element index)`` range starts at element boundaries, the first
     ``(0, 0)``: the first element starting at or after each ``i * size / k`` (one framing pass)."""
-    size = os.path.getsize(path)
+    size = data_size(path)
     targets = [size * i // k for i in range(1, k)]
     out, t = [(0, 0)], 0
     for n, (p, _, _) in enumerate(iter_array(path, 0, size)):
@@ -214,7 +246,9 @@ def split_points(path: str, k: int) -> list[tuple[int, int]]:
 
 __all__ = [
     "ACCEPTED_FILES",
+    "NO_END",
     "DataShapeError",
+    "data_size",
     "iter_array",
     "read_element",
     "sniff",

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lmms_data._errors import BadRecordError
-from lmms_data._json_array import iter_array, read_element, sniff, split_points
+from lmms_data._json_array import NO_END, iter_array, read_element, sniff, split_points
 
 JSONL_CHUNK_BYTES = 64 << 20
 _EXT = {
@@ -104,10 +104,10 @@ def list_files(path: str, fmt: str | None) -> list[tuple[str, str]]:
     out = []
     for f in files:
         ff = fmt if fmt not in (None, "hf") else detect_format(f)
-        if ff in ("jsonl", "json") and f.lower().endswith(".gz"):
+        if ff == "json" or (fmt is None and ff == "jsonl.gz"):
+            ff = sniff(f)  # `[` first: one JSON array (plain or gzip); else JSON Lines
+        if ff == "jsonl" and f.lower().endswith(".gz"):
             ff = "jsonl.gz"
-        elif ff == "json":
-            ff = sniff(f)
         out.append((f, ff))
     return out
 
@@ -177,7 +177,8 @@ def _file_units(file: str, fmt: str) -> list[Unit]:
     if fmt == "jsonl.gz":
         return [Unit(file, "jsonl.gz", 0, 0, -1, 0)]
     if fmt == "json_array":
-        return [Unit(file, "json_array", 0, 0, os.path.getsize(file), 0)]
+        gz = file.lower().endswith(".gz")
+        return [Unit(file, "json_array", 0, 0, NO_END if gz else os.path.getsize(file), 0)]
     raise ValueError(f"unknown format {fmt!r}")
 
 
