@@ -238,9 +238,20 @@ def test_sampling_strategy_and_mixed_folders_are_problems():
     assert any("one dataset_config.data_folder" in p for p in problems)
 
 
-def test_lmms_train_configs_are_not_mistaken():
+def test_lmms_train_configs_are_not_mistaken_and_pass_through():
+    """Native configs are not taken for lmms-engine ones; one lmms-engine key added by habit
+    converts the file with every native key kept as it was."""
     for path in sorted((REPO / "examples").rglob("*.yaml")):
-        assert not looks_like_lmms_engine(yaml.safe_load(path.read_text())), path
+        raw = yaml.safe_load(path.read_text())
+        assert not looks_like_lmms_engine(raw), path
+        t = raw.setdefault("trainer_args", {})
+        ga = t.get("gradient_accumulation_steps", 1)
+        mixed = {**raw, "trainer_args": {**t, "per_device_train_batch_size": 2}}
+        conv = convert(mixed)
+        assert conv.problems == [], (path, conv.problems)
+        want = {s: dict(v) for s, v in raw.items() if v}
+        want["trainer_args"]["gradient_accumulation_steps"] = 2 * ga
+        assert conv.config == want, path
 
 
 def test_key_map_page_lists_every_key():

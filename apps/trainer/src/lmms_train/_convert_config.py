@@ -26,7 +26,7 @@ _SECTIONS = ("model_config", "dataset_config", "trainer_args")
 _ENGINE_MARKS = {
     "trainer_args": {"per_device_train_batch_size", "num_train_epochs", "dataloader_num_workers",
                      "gradient_checkpointing", "fsdp2", "fsdp_config", "freeze_modules",
-                     "use_muon", "optim", "ep_degree", "tp_degree"},
+                     "use_muon", "optim"},
     "dataset_config": {"processor_config", "datasets"},
     "model_config": {"attn_implementation", "monkey_patch_kwargs", "overwrite_config"},
 }  # fmt: skip
@@ -189,8 +189,13 @@ def looks_like_lmms_engine(raw: Any) -> bool:
         return False
     if "trainer_type" in raw:
         return True
+    from lmms_train.config import _schema
+
+    native = {"trainer_args": _schema.TrainerArgs, "dataset_config": _schema.DatasetConfig,
+              "model_config": _schema.ModelConfig}  # fmt: skip
     for section, marks in _ENGINE_MARKS.items():
         sec = raw.get(section)
+        marks = marks - set(native[section].__dataclass_fields__)  # keys lmms-train also has
         if isinstance(sec, dict) and (marks & set(sec) or sec.get("dataset_format") == "yaml"):
             return True
     return False
@@ -484,7 +489,9 @@ class _Converter:
                     else:
                         self.drop(f"{src}.{k}", "lmms_models wraps every decoder and vision block")
             elif key == "fsdp":
-                if value not in (None, [], "", False):
+                if isinstance(value, bool) or value is None:  # lmms-train's own key
+                    self.set("trainer_args.fsdp", value)
+                elif value not in ([], ""):
                     self.drop(src, "FSDP2 full sharding on several processes")
             elif key == "lr_scheduler_type":
                 self.schedule(src, value, t.get("lr_scheduler_kwargs") or {})
@@ -517,11 +524,11 @@ class _Converter:
                     steps = [int(pc.get("start_step", 1)), int(pc.get("end_step", 3))]
                     self.set("trainer_args.profile_steps", steps, src)
             elif key == "eval_steps":
-                if value and t.get("eval_strategy") not in (None, "no"):
-                    self.set("trainer_args.eval_steps", value, src)
+                if value and t.get("eval_strategy", "steps") != "no":
+                    self.set("trainer_args.eval_steps", value)
             elif key == "save_steps":
-                if t.get("save_strategy", "steps") == "steps" and value:
-                    self.set("trainer_args.save_steps", int(value), src)
+                if t.get("save_strategy", "steps") == "steps" and value is not None:
+                    self.set("trainer_args.save_steps", int(value))
             elif key in ("reduce_dtype", "output_dtype"):
                 self.drop(src, "lmms-train reduces gradients in fp32 and computes in bf16; the "
                                "export dtype is trainer_args.export_dtype")  # fmt: skip
