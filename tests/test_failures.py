@@ -356,3 +356,27 @@ def test_real_full_disk_and_read_only_folder(tiny_inputs, tmp_path):
     assert "could not write the checkpoint of step 4: no space left on the device" in proc.stderr
     assert res["ro"] == 2 and res["ro_same"], (res, proc.stderr)
     assert "is not writable by this process (read-only?)" in proc.stderr, proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fsdp", [None, True])
+def test_non_finite_guard_on_the_gpu(tiny_inputs, tmp_path, capsys, monkeypatch, fsdp):
+    """On CUDA with bf16 (fp32 masters with the fused MasterAdamW step, or one-rank FSDP2): an
+    inf loss at step 2 is skipped under `skip` (the masters' pending bf16 gradients dropped,
+    the weights written at the end finite) and stops the run under `stop` before any save."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = tiny_config(tiny_inputs, tmp_path / "skip", device="cuda", bf16=True, fsdp=fsdp,
+                      on_nonfinite="skip", attn_backend="auto")  # fmt: skip
+    _inject(monkeypatch, 2, "loss")
+    assert main([str(write_config(cfg, tmp_path / "skip.yaml"))]) == 0
+    rows = read_jsonl(tmp_path / "skip" / "metrics.jsonl")
+    assert [r["skipped_steps"] for r in rows] == [0, 1, 1, 1]
+    assert all(isinstance(r["loss"], float) for i, r in enumerate(rows) if i != 1), rows
+    _inject(monkeypatch, 3, "loss")
+    cfg["trainer_args"].update(output_dir=str(tmp_path / "stop"), on_nonfinite="stop", save_steps=2)
+    expect_failure(
+        main, [str(write_config(cfg, tmp_path / "stop.yaml"))], capsys,
+        "training diverged at step 3: the loss is inf", "step_000002",
+    )  # fmt: skip
+    assert sorted(os.listdir(tmp_path / "stop" / "checkpoints")) == ["step_000002"]

@@ -166,6 +166,11 @@ class TrainData:
                         ".bad_record_policy / max_bad_record_ratio / packing_length)"
                     ) from None
                 msg = str(exc)
+                if "saved with a different config" in msg:  # a resumed position of other packing
+                    raise DataChangedError(
+                        f"the checkpoint's data position does not fit this data config: {msg} "
+                        "(resume with the dataset_config it was written with)"
+                    ) from None
                 if "longer than" in msg or "overlong" in msg or "capacity" in msg:
                     raise UserError(
                         f"a sample does not fit dataset_config.packing_length: {msg} "
