@@ -17,10 +17,14 @@ from test_packed_parity import MEDIA_FAMILIES, tiny_pack
 
 import lmms_parallel as lp
 
-#: (family, scenario name, spec attributes set for the run)
+#: (family, scenario name, spec attributes set for the run). "split": each SP rank encodes its
+#: FLOPs-balanced share of the pack's images/frames (lmms_models.SplitVision); "split_few": a pack
+#: with fewer vision items than ranks (the others run the dummy input and gather zero rows).
 SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
     *[(name, "host_merge", {}) for name in MEDIA_FAMILIES],
     ("qwen3_vl", "upstream_merge", {"host_merge": False}),  # deepstack as upstream's bool mask
+    *[(name, "split", {}) for name in MEDIA_FAMILIES],
+    ("qwen2_5_vl", "split_few", {}),
 ]
 
 
@@ -39,8 +43,12 @@ def _step(spec, model, batch, group) -> tuple[float, dict[str, torch.Tensor]]:
     return float(loss / count), grads
 
 
-def scenario(name: str, attrs: dict[str, Any], groups: dict[int, Any]) -> dict[str, Any]:
-    spec, model, batch = tiny_pack(name)
+def scenario(
+    name: str, label: str, attrs: dict[str, Any], groups: dict[int, Any]
+) -> dict[str, Any]:
+    from lmms_models import SplitVision
+
+    spec, model, batch = tiny_pack(name, 4 if label == "split_few" else None)
     saved = {k: getattr(spec, k) for k in attrs}
     for k, v in attrs.items():
         setattr(spec, k, v)
@@ -49,13 +57,15 @@ def scenario(name: str, attrs: dict[str, Any], groups: dict[int, Any]) -> dict[s
         out: dict[str, Any] = {"loss_sp1": ref_loss}
         for sp, group in groups.items():
             spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
-            with lp.SequenceParallel(spec.sp_slice_module(model), group):
+            split = SplitVision(spec, model, group if label.startswith("split") else None)
+            with split, lp.SequenceParallel(spec.sp_slice_module(model), group):
                 loss, grads = _step(spec, model, batch, group)
             spec.set_attention(model, backend="varlen_sdpa")
             worst = max(
                 float((grads[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-6)) for k in ref
             )
             out[f"sp{sp}"] = {
+                "shares": split.last_costs,
                 "loss": loss,
                 "same_params": sorted(grads) == sorted(ref),
                 "worst_rel_grad": worst,
@@ -76,7 +86,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         for name, label, attrs in SCENARIOS:
             try:
-                results[f"{name}/{label}"] = scenario(name, attrs, groups)
+                results[f"{name}/{label}"] = scenario(name, label, attrs, groups)
             except Exception:
                 results[f"{name}/{label}"] = {"error": traceback.format_exc()}
     finally:

@@ -2,7 +2,9 @@
 
 Qwen3-VL's deepstack features sit at visual positions of the whole row; under SP they must follow
 the row's slicing (``DeepstackAtPositions.sp_slice``), from the host merge and from upstream's
-own boolean-mask merge alike. One 4-process spawn runs every scenario (see _sp_workers.py).
+own boolean-mask merge alike. With the vision work split across the SP ranks
+(``lmms_models.SplitVision``) every rank encodes a share of the images and frames and the
+gradients still equal SP 1. One 4-process spawn runs every scenario (see _sp_workers.py).
 """
 
 from __future__ import annotations
@@ -46,3 +48,7 @@ def test_sp_matches_sp1(results, case, sp):
         assert run["loss"] == pytest.approx(got["loss_sp1"], rel=1e-5, abs=1e-6), rank
         assert run["same_params"], rank
         assert run["worst_rel_grad"] < 1e-4, (rank, run["worst_rel_grad"])
+        if case.endswith("/split"):  # every rank encoded a share (the last tower call's)
+            assert len(run["shares"]) == sp and min(run["shares"]) > 0, run["shares"]
+        if case.endswith("/split_few") and sp == 4:  # 2 images for 4 ranks: 2 empty shares
+            assert sorted(run["shares"])[:2] == [0.0, 0.0], run["shares"]

@@ -120,7 +120,10 @@ def make_forward(
         def dummy() -> dict[str, Any]:
             return spec.dummy_vision_inputs(model, env.device)
 
-        VisionParticipation(spec.sp_slice_module(model), tower, dummy).install()
+        def outputs(out: Any) -> list[torch.Tensor] | None:
+            return spec.vision_participation_outputs(model, out)
+
+        VisionParticipation(spec.sp_slice_module(model), tower, dummy, outputs=outputs).install()
     if env.sp > 1:
         from lmms_parallel import SequenceParallel, sp_group
 

@@ -13,6 +13,7 @@ from ._moe import EXPERTS_EP_PLAN, ExpertLoadMeter, MoESpecMixin
 from ._patch_embed import PatchEmbedHandle, linear_patch_embed
 from ._registry import MODEL_REGISTRY, get_model_spec, list_models, register_model
 from ._spec import IGNORE_INDEX, ModelSpec, shift_labels_packed, to_device
+from ._vision_split import SplitVision, VisionSplitPlan
 from ._vl import TINY_TOKEN_IDS, QwenVLSpec
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
     "ModelSpec",
     "PatchEmbedHandle",
     "QwenVLSpec",
+    "SplitVision",
+    "VisionSplitPlan",
     "attach_encoder",
     "attention_flops",
     "get_encoder",

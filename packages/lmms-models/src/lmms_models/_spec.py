@@ -367,6 +367,17 @@ class ModelSpec:
         tower = self.vision_tower(model)
         return [] if tower is None else list(tower.blocks)
 
+    def vision_participation_outputs(self, model: nn.Module, out: Any) -> list[torch.Tensor] | None:
+        """What a rank without media sums from the tower's output on the dummy input so that the
+        same parameters get a gradient as on ranks with media (``outputs`` of
+        lmms_parallel.VisionParticipation). None (default): every floating-point output."""
+        return None
+
+    def vision_split_plan(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """How one call of the vision tower divides into items for the SP ranks
+        (:class:`lmms_models.SplitVision`): a :class:`lmms_models.VisionSplitPlan`."""
+        raise NotImplementedError(f"{self.name} does not say how to split its vision tower's work")
+
     def block_classes(self, model: nn.Module) -> list[type[nn.Module]]:
         """Distinct classes of decoder and vision blocks (for FSDP wrapping / checkpointing)."""
         classes: list[type[nn.Module]] = []
@@ -433,13 +444,8 @@ class ModelSpec:
 
     def media_flops(self, config: Any, batch: dict[str, Any]) -> float:
         """Training FLOPs of the media towers on a packed batch (what MFU adds to the LM's):
-        :meth:`vision_flops` of its image and video grids; audio families add their encoder."""
-        total = 0.0
-        for key in ("image_grid_thw", "video_grid_thw"):
-            grid = batch.get(key)
-            if grid is not None and len(grid):
-                total += float(self.vision_flops(config, grid))
-        return total
+        :meth:`pack_vision_flops`; audio families add their encoder."""
+        return self.pack_vision_flops(config, batch)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -191,6 +191,12 @@ class QwenVLSpec(ModelSpec):
         ``[N]`` and the tower's output; ``embeds [1, T, H]``: the merged embeddings."""
         return {}
 
+    def vision_split_plan(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Images and video temporal patches as items (:func:`lmms_models._vision_split.grid_plan`)."""
+        from ._vision_split import grid_plan
+
+        return grid_plan(self, model, args, kwargs)
+
     def pack_position_ids(
         self, batch: dict[str, Any], n_tokens: int, device: torch.device
     ) -> torch.Tensor:

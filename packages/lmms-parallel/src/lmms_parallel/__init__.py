@@ -32,6 +32,7 @@ from lmms_parallel._ulysses import (
     sp_shard_labels,
 )
 from lmms_parallel._vision import VisionParticipation, ensure_vision_participation
+from lmms_parallel._vision_split import gather_rows, split_contiguous, split_imbalance
 
 __all__ = [
     "ACHandle",
@@ -58,6 +59,7 @@ __all__ = [
     "export_hf",
     "fsdp_mesh",
     "gather_full_state_dict",
+    "gather_rows",
     "load_full_state_dict",
     "match_plan",
     "materialize",
@@ -69,5 +71,7 @@ __all__ = [
     "sp_pad_len",
     "sp_reduce_loss",
     "sp_shard_labels",
+    "split_contiguous",
+    "split_imbalance",
     "tp_mesh",
 ]

@@ -53,6 +53,7 @@ def ensure_vision_participation(
     dummy_inputs: Callable[[], dict[str, Any]],
     *,
     has_media: bool,
+    outputs: Callable[[Any], list[torch.Tensor]] | None = None,
 ) -> torch.Tensor | None:
     """Return ``0 * tower(**dummy_inputs())`` summed when ``has_media`` is False, else ``None``.
 
@@ -62,6 +63,10 @@ def ensure_vision_participation(
         dummy_inputs: builds keyword arguments of a minimal valid tower input (from the model
             spec: e.g. one 2x2-patch image for Qwen-VL).
         has_media: whether this rank's batch has images or videos.
+        outputs: maps the tower's output to the tensors to sum (default: every floating-point
+            output). For a model whose media path continues outside the tower (LLaVA's projector
+            and newline) or reads a hidden layer instead of the final output: the same
+            parameters must get a gradient as on the ranks with media.
 
     The returned fp32 scalar must be added to the loss before backward. It sums *all*
     floating-point outputs (merged tokens, deepstack features...), so every trainable tower
@@ -73,7 +78,9 @@ def ensure_vision_participation(
     if has_media or vision_tower is None:
         return None
     out = vision_tower(**dummy_inputs())
-    tensors = _float_tensors(out)
+    tensors = outputs(out) if outputs is not None else None
+    if tensors is None:  # the caller's selection may decline: every output then
+        tensors = _float_tensors(out)
     if not tensors:
         raise TypeError(f"the vision tower returned no floating-point tensor: {type(out).__name__}")
     return torch.stack([t.float().sum() for t in tensors]).sum() * 0.0
@@ -98,8 +105,11 @@ class VisionParticipation:
         decoder: nn.Module,
         vision_tower: nn.Module,
         dummy_inputs: Callable[[], dict[str, Any]],
+        *,
+        outputs: Callable[[Any], list[torch.Tensor]] | None = None,
     ) -> None:
         self.decoder, self.tower, self.dummy_inputs = decoder, vision_tower, dummy_inputs
+        self.outputs = outputs  # see ensure_vision_participation
         self._ran = False
         self._handles: list[Any] = []
 
@@ -130,7 +140,9 @@ class VisionParticipation:
                 "VisionParticipation needs the decoder to be called with inputs_embeds "
                 "(the multimodal model's merge output)"
             )
-        zero = ensure_vision_participation(self.tower, self.dummy_inputs, has_media=False)
+        zero = ensure_vision_participation(
+            self.tower, self.dummy_inputs, has_media=False, outputs=self.outputs
+        )
         self._ran = False  # the dummy call itself set it
         kwargs["inputs_embeds"] = embeds + zero.to(embeds.dtype)
         return args, kwargs

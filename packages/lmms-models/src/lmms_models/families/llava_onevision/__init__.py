@@ -138,6 +138,18 @@ class LlavaOnevisionSpec(ModelSpec):
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         return merge_tiny(_TINY, overrides)
 
+    def build(self, **kwargs: Any) -> nn.Module:
+        """:meth:`ModelSpec.build`; on the meta device SigLIP's non-persistent ``position_ids``
+        buffer (``arange`` over the view's patches) is made real again, so that
+        lmms_parallel.materialize keeps it (it cannot recompute buffers it does not know)."""
+        model = super().build(**kwargs)
+        tower = self.vision_tower(model)
+        emb = getattr(tower, "vision_model", tower).embeddings
+        if emb.position_ids.is_meta:
+            ids = torch.arange(emb.num_positions).expand((1, -1))
+            emb.register_buffer("position_ids", ids, persistent=False)
+        return model
+
     # ---------------------------------------------------------------- layout
     def vision_tower(self, model: nn.Module) -> nn.Module | None:
         return self.base_model(model).vision_tower
@@ -147,12 +159,50 @@ class LlavaOnevisionSpec(ModelSpec):
         return list(getattr(tower, "vision_model", tower).encoder.layers)
 
     def dummy_vision_inputs(self, model: nn.Module, device: torch.device) -> dict[str, Any]:
-        """One tile of zeros (the tower's ``pixel_values [1, C, S, S]``)."""
+        """One view of zeros (the tower's ``pixel_values [1, C, S, S]``), with the hidden states
+        the media path reads (:meth:`vision_participation_outputs`)."""
         vc = model.config.vision_config
         dtype = next(self.vision_tower(model).parameters()).dtype
         size = vc.image_size
-        return {"pixel_values": torch.zeros(1, vc.num_channels, size, size, device=device,
-                                            dtype=dtype)}  # fmt: skip
+        pixels = torch.zeros(1, vc.num_channels, size, size, device=device, dtype=dtype)
+        return {"pixel_values": pixels, "output_hidden_states": True}
+
+    def vision_participation_outputs(self, model: nn.Module, out: Any) -> list[torch.Tensor]:
+        """The projector on the feature layer(s) and the newline: what images and videos reach
+        outside the tower (and not the tower's final LayerNorm, which the media path skips)."""
+        base = self.base_model(model)
+        layer = model.config.vision_feature_layer
+        layers = [layer] if isinstance(layer, int) else list(layer)
+        feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+        return [base.multi_modal_projector(feats), base.image_newline]
+
+    def vision_split_plan(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Views (image tiles, video frames) as items for lmms_models.SplitVision: equal FLOPs
+        each; only the feature layer(s) of the hidden states are gathered."""
+        from ..._vision_split import VisionSplitPlan
+
+        pixels = args[0] if args else kwargs["pixel_values"]  # [views, C, S, S]
+        rest = {k: v for k, v in kwargs.items() if k != "pixel_values"}
+        layer = model.config.vision_feature_layer
+        layers = [layer] if isinstance(layer, int) else list(layer)
+
+        def keep(out: Any) -> Any:
+            states = out.hidden_states
+            wanted = {i % len(states) for i in layers}
+            kept = tuple(h if i in wanted else None for i, h in enumerate(states))
+            return type(out)(hidden_states=kept)
+
+        def dummy() -> tuple[tuple, dict[str, Any]]:
+            return (torch.zeros_like(pixels[:1]),), rest
+
+        return VisionSplitPlan(
+            units=[1] * pixels.shape[0],
+            costs=[float(self.vision_flops(model.config, 1))] * pixels.shape[0],
+            call=lambda lo, hi: ((pixels[lo:hi],), rest),
+            dummy=dummy,
+            dummy_units=1,
+            keep=keep,
+        )
 
     def media_inputs(self, batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
         out = super().media_inputs(batch, device)
