@@ -87,5 +87,16 @@ def export_run(
                 conf[key] = dtype
         conf_file.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
     if processor_path:
-        save_processor(processor_path, out)
+        try:
+            save_processor(processor_path, out)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # the weights are written
+            import sys
+
+            print(
+                f"[lmms-train] export: {out} has the weights, but the processor of "
+                f"{processor_path} could not be saved beside them ({exc}); copy its tokenizer "
+                "and processor files there by hand",
+                file=sys.stderr,
+                flush=True,
+            )
     return out
