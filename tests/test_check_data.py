@@ -52,6 +52,9 @@ def test_check_data_reports_what_a_user_needs(tiny_inputs, llava_dir, tmp_path, 
     for needle in ("records/s", "3 good, 2 bad", "median", "supervised", "image 3 (1.00/record)",
                    "missing_media=1, too_long=1", "[[A grey square."):  # fmt: skip
         assert needle in text, needle
+    assert r.total_records is None and "steps per epoch" not in text  # JSON: not counted
+    parquet = check_data(config_from_dict(tiny_config(tiny_inputs, tmp_path / "r2")), 20)
+    assert parquet.total_records == 96 and "96 records in the dataset" in parquet.text()
     # the command prints the same report
     path = write_config(cfg, tmp_path / "c.yaml")
     assert check_data_main([str(path), "--num-records", "5"]) == 0

@@ -42,6 +42,8 @@ class DataReport:
     packing_length: int = 0
     packing: bool = True
     sample: str = ""
+    total_records: int | None = None  # from Parquet/Arrow metadata (None: not known cheaply)
+    accum: int = 1  # trainer_args.gradient_accumulation_steps
 
     @property
     def good(self) -> int:
@@ -69,6 +71,15 @@ class DataReport:
                 lines.append(
                     f"  packing    packing_length {self.packing_length:,}: about "
                     f"{self.packing_length / a.mean():.1f} records per packed row"
+                )
+            if self.total_records is not None:
+                per_row = self.packing_length / a.mean() if self.packing else 1.0
+                good = self.good / max(self.seen, 1)
+                rows = self.total_records * good / per_row
+                lines.append(
+                    f"  epoch      {self.total_records:,} records in the dataset: about "
+                    f"{rows / self.accum:,.0f} steps per epoch on one data-parallel rank "
+                    f"(gradient_accumulation_steps {self.accum}; divide by the ranks; full packs)"
                 )
         counts = ", ".join(
             f"{t} {self.media[t]:,} ({self.media[t] / g:.2f}/record)" for t in _MEDIA
@@ -179,7 +190,10 @@ def check_data(cfg: TrainConfig, num_records: int = 200) -> DataReport:
     }
     media_ids.discard(None)
     report = DataReport(paths=dcfg.paths, processor=f"{dcfg.processor_family} from {dcfg.processor_path}",
-                        packing_length=dcfg.packing_length, packing=dcfg.packing)  # fmt: skip
+                        packing_length=dcfg.packing_length, packing=dcfg.packing,
+                        accum=cfg.trainer_args.gradient_accumulation_steps)  # fmt: skip
+    if all(u.fmt in ("parquet", "arrow_file", "arrow_stream") for src in units for u in src):
+        report.total_records = sum(u.hi - u.lo for src in units for u in src)
     checking_len = dcfg.packing
     t0 = time.perf_counter()
     for batch in stream:
