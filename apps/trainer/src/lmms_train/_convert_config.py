@@ -468,7 +468,7 @@ class _Converter:
                 else:
                     self.set("dataset_config.num_epochs", int(value or 1), src)
                     self.problem(src, value, "lmms-train runs for trainer_args.max_steps: set it "
-                                 "(lmms-train check-data prints records and tokens per record)")  # fmt: skip
+                                 "(lmms-train check-data CONFIG estimates the steps per epoch)")  # fmt: skip
             elif key == "dataloader_num_workers":
                 self.set("dataset_config.num_workers", value, src)
             elif key == "dataloader_prefetch_factor":
