@@ -25,6 +25,7 @@ from lmms_models import get_model_spec
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
 
 STEPS = 3
+CLIP = 1.0  # global-norm clipping (the tiny models' gradients exceed it at first)
 
 
 def _pack(spec, model, seed: int, image: bool, n: int = 3):
@@ -96,7 +97,7 @@ def _reference(name, cfg, packs, opt_kind):
     if hasattr(spec, "set_experts"):
         spec.set_experts(model, "grouped")
     opt = _optimizer(model, opt_kind)
-    losses, grads1 = [], None
+    losses, grads1, norms = [], None, []
     for step_packs in packs:
         outs = [spec.packed_forward(model, b) for b in step_packs]
         total = sum(int(n) for _, n in outs)
@@ -104,10 +105,11 @@ def _reference(name, cfg, packs, opt_kind):
         loss.backward()
         if grads1 is None:
             grads1 = _named_full(model, grads=True)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
-    return losses, grads1, _named_full(model, grads=False)
+    return losses, grads1, _named_full(model, grads=False), norms
 
 
 def run_case(name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", images=True):
@@ -158,7 +160,7 @@ def run_case(name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", imag
     dp_rank = lp.dp_mesh(mesh).get_local_rank()
     dp_group = lp.dp_mesh(mesh).get_group()
     opt = _optimizer(model, opt_kind)
-    losses, grads1 = [], None
+    losses, grads1, norms = [], None, []
     for step_packs in packs:
         batch = step_packs[dp_rank]
         model.forward = lambda b=batch: spec.packed_forward(model, b, sp_group=group)
@@ -171,15 +173,17 @@ def run_case(name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", imag
         dist.all_reduce(logged, group=dp_group)
         if grads1 is None:
             grads1 = _named_full(model, grads=True)
+        norms.append(float(lp.clip_grad_norm_(model.parameters(), CLIP, model=model)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(logged / total))
     final = _named_full(model, grads=False)
     for h in handles:
         h.remove()
-    out: dict[str, Any] = {"losses": losses}
+    out: dict[str, Any] = {"losses": losses, "norms": norms}
     if rank == 0:
-        ref_losses, ref_g, ref_p = _reference(name, cfg, packs, opt_kind)
+        ref_losses, ref_g, ref_p, ref_norms = _reference(name, cfg, packs, opt_kind)
+        out.update(ref_norms=ref_norms)
         out.update(
             ref=ref_losses, grad_err=_rel_err(grads1, ref_g), param_err=_rel_err(final, ref_p)
         )

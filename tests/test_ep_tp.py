@@ -5,7 +5,10 @@ EP 2 with Ulysses SP 2, TP 2, TP 2 x FSDP 2, with AdamW and Muon, three optimize
 Qwen3-MoE / Qwen3-VL-MoE (router aux loss on, a text-only rank next to image ranks) and Qwen3 /
 Qwen3-VL (TP); plus one experts module whose EP rank receives no token at all.
 
-Tolerances: losses and step-1 gradients within fp32 summation order. Parameters after three
+Gradients are clipped to a global norm of 1 (lmms_parallel.clip_grad_norm_ over parameters on
+different meshes, EP slices counted once) against torch's on the whole model.
+
+Tolerances: losses, gradient norms and step-1 gradients within fp32 summation order. Parameters after three
 steps: AdamW within 5e-3 of the largest entry (Adam's normalisation turns fp32-order differences
 of near-zero gradients into lr-sized steps); Muon within 0.15 (bf16 Newton-Schulz of the tiny,
 near rank-deficient gradients maps such differences to O(1) directions); the exactness of Muon's
@@ -59,8 +62,14 @@ def _check(results: list[dict], name: str) -> None:
     tol = 1e-4 if muon else 1e-5
     for got, ref in zip(r["losses"], r["ref"], strict=True):
         assert abs(got - ref) <= tol * abs(ref), (name, r["losses"], r["ref"])
+    # the first norm is the same gradient's; later ones follow the updates (Muon: see above)
+    for i, (got, ref) in enumerate(zip(r["norms"], r["ref_norms"], strict=True)):
+        bound = 1e-5 if i == 0 else (1e-2 if muon else 1e-4)
+        assert abs(got - ref) <= bound * ref, (name, r["norms"], r["ref_norms"])
+    assert r["ref_norms"][0] > 1.0  # the clip is active
     for other in results[1:]:
         assert other[name]["losses"] == r["losses"]  # every rank logs the same loss
+        assert other[name]["norms"] == r["norms"]  # ... and clips by the same norm
     assert r["grad_err"][0] < 1e-5, (name, r["grad_err"])
     assert r["param_err"][0] < (0.15 if muon else 5e-3), (name, r["param_err"])
 

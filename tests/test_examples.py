@@ -9,7 +9,7 @@ import pytest
 from lmms_train.config import load_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"))
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen2_audio")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_audio")
 
 
 def test_every_family_has_examples():
@@ -29,6 +29,7 @@ TINY = {  # each family's tiny CPU example
     "qwen3_moe": "qwen3_moe/tiny_cpu.yaml",
     "qwen2_5_vl": "qwen2_5_vl/tiny_cpu_muon.yaml",
     "qwen3_vl": "qwen3_vl/tiny_cpu.yaml",
+    "qwen3_vl_moe": "qwen3_vl_moe/tiny_cpu.yaml",
     "qwen2_audio": "qwen2_audio/tiny_cpu.yaml",
 }
 
@@ -62,7 +63,7 @@ def test_tiny_example_trains(family, tmp_path):
     assert [r["step"] for r in steps] == [1, 2], rows
     assert all(math.isfinite(r["loss"]) and 0 < r["loss"] < 10 for r in steps), steps
     assert all(r["samples"] > 0 and r["bad_records"] == 0 for r in steps), steps
-    vl = family.endswith("_vl")
+    vl = "_vl" in family
     assert all((r["vision_tokens"] > 0) == vl for r in steps), steps
     columns = set(pq.read_schema(next(data.glob("*.parquet"))).names)
     assert ("images" in columns) == vl, columns  # text data for text models

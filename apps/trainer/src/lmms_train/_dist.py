@@ -40,6 +40,8 @@ class DistEnv:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sp: int = 1  # Ulysses degree: ranks sharing one packed row
+    tp: int = 1  # tensor-parallel degree: ranks computing one packed row together
+    ep: int = 1  # expert-parallel degree (borrows data-parallel ranks: they read different packs)
     dp_replicate: int = 1
     fsdp: bool = False  # the model is sharded with FSDP2 (a process group and mesh exist)
     owns_group: bool = False  # this env initialised the process group (and destroys it)
@@ -52,14 +54,20 @@ class DistEnv:
         return self.world_size > 1
 
     @property
+    def row_share(self) -> int:
+        """Ranks that hold the same packs (SP x TP): host sums over all ranks count them this
+        many times."""
+        return self.sp * self.tp
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel ranks (each reads different data)."""
-        return self.world_size // self.sp
+        return self.world_size // self.row_share
 
     @property
     def dp_rank(self) -> int:
-        """Rank among the data-parallel ranks (SP is the innermost mesh dimension)."""
-        return self.rank // self.sp
+        """Rank among the data-parallel ranks (SP and TP are the innermost mesh dimensions)."""
+        return self.rank // self.row_share
 
     @property
     def is_main(self) -> bool:
@@ -141,7 +149,9 @@ def default_kernel_cache(environ: dict[str, str] | None = None) -> bool:
     return True
 
 
-def init_distributed(*, device: str, sp: int, dp_replicate: int, fsdp: bool | None) -> DistEnv:
+def init_distributed(
+    *, device: str, sp: int, dp_replicate: int, fsdp: bool | None, tp: int = 1, ep: int = 1
+) -> DistEnv:
     """Read torchrun's environment, check the parallel degrees, join the process group.
     `fsdp=None`: FSDP2 on several processes only."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -149,11 +159,14 @@ def init_distributed(*, device: str, sp: int, dp_replicate: int, fsdp: bool | No
         fsdp = world > 1
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world % (sp * dp_replicate) != 0:
+    if world % (sp * dp_replicate * tp) != 0:
         raise ConfigError(
             f"world size {world} is not divisible by sp_ulysses_degree ({sp}) x dp_replicate "
-            f"({dp_replicate}) = {sp * dp_replicate}; launch a multiple of it"
+            f"({dp_replicate}) x tp_degree ({tp}) = {sp * dp_replicate * tp}; launch a multiple "
+            "of it"
         )
+    if (tp > 1 or ep > 1) and world == 1:
+        raise ConfigError("tp_degree / ep_degree > 1 need several processes (torchrun)")
     if world > 1 and not fsdp:
         raise ConfigError("trainer_args.fsdp: false is only supported on one process")
     default_allocator_conf()
@@ -165,6 +178,8 @@ def init_distributed(*, device: str, sp: int, dp_replicate: int, fsdp: bool | No
         local_rank=local_rank,
         device=dev,
         sp=sp,
+        tp=tp,
+        ep=ep,
         dp_replicate=dp_replicate,
         fsdp=fsdp,
     )

@@ -177,7 +177,7 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
     (bad,) = env.all_reduce([float(local_bad)])  # host-side collective: no device sync
     host = q.host
     metrics: dict[str, Any] = {
-        "loss": loss_sum / env.sp / max(q.global_count, 1.0),
+        "loss": loss_sum / env.row_share / max(q.global_count, 1.0),
         "lr": host.pop("lr"),
         "grad_norm": norm,
         "tokens_per_sec": host["tokens"] / dt,
@@ -188,7 +188,7 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
         "data_wait_fraction": q.data_wait / env.world_size / dt,
         "data_read_fraction": q.data_read / env.world_size / dt,
         "peak_memory_gb": _peak_memory_gb(env.device),
-        "bad_records": int(bad / env.sp),
+        "bad_records": int(bad / env.row_share),
         **phases.read(q.phases),
     }
     for i, name in enumerate(q.objective_metrics):  # global sums: numerator / denominator
@@ -233,7 +233,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             seq_max, neg_min = env.all_reduce(
                 [float(max(lens, default=0)), -float(min(lens, default=0))], op="max"
             )
-            per_sp = {k: v / env.sp for k, v in reduced.items()}  # SP ranks share their packs
+            per_sp = {k: v / env.row_share for k, v in reduced.items()}  # SP/TP ranks share packs
             global_count = per_sp["loss_tokens"]
             phases.mark("start")
             if hasattr(run.forward, "begin_step"):  # the objective's draws are seeded per step
@@ -250,7 +250,8 @@ def train_loop(run: Run) -> dict[str, Any]:
             if run.state.step + 1 < t.max_steps and not reduced["stop"]:
                 upcoming = _fetch(run, data_iter, flops_fn)  # the GPU is busy with backward
                 phases.mark("data")  # the next pack's copy to the device, not the optimizer's
-            norm = grad_norm(run.optimizer, t.max_grad_norm, env.device)
+            plans = run.model if env.tp * env.ep > 1 else None  # norms over TP/EP meshes
+            norm = grad_norm(run.optimizer, t.max_grad_norm, env.device, model=plans)
             lr = run.scheduler.get_last_lr()[0]
             skipped = run.guard.skip_update(run.state.step + 1, norm)  # False unless `skip`
             if skipped:
@@ -331,12 +332,33 @@ def _objective_metrics(run: Run) -> tuple[tuple[str, ...], list[torch.Tensor]]:
     one device all-reduce (the same names on every rank: an objective's set is fixed)."""
     take = getattr(run.forward, "take_metrics", None)
     got = take() if take is not None else {}
+    moe_names, moe_pairs = _moe_metrics(run)
     if not got:
-        return (), []
+        return moe_names, moe_pairs
     names = tuple(sorted(got))
     stacked = torch.stack([x for n in names for x in got[n]])  # [2k] float64
     run.env.all_reduce_device_(stacked)
-    return names, list(stacked.unbind())
+    return names + moe_names, list(stacked.unbind()) + moe_pairs
+
+
+def _moe_metrics(run: Run) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+    """MoE families: the router aux loss and the experts' load (`lmms_models.ExpertLoadMeter`)
+    of the step, the tokens per expert summed over every rank on the device, as (num, den)
+    pairs."""
+    from lmms_models import expert_load_meter
+
+    meter = expert_load_meter(run.model)
+    if meter is None:
+        return (), []
+    raw = meter.take(run.env.device)
+    run.env.all_reduce_device_(raw)
+    aux_sum, n_aux, ratio, worst, dead = meter.summarize(raw).double().unbind()
+    one = torch.ones((), dtype=torch.float64, device=raw.device)
+    names = ("moe/load_max_over_mean", "moe/load_max_over_mean_worst", "moe/dead_experts")
+    pairs = [ratio, one, worst, one, dead, one]
+    if run.spec.router_aux_enabled(run.model):
+        names, pairs = ("moe/aux_loss", *names), [aux_sum, n_aux, *pairs]
+    return names, pairs
 
 
 def _save(run: Run, data_state: dict[str, Any]) -> None:

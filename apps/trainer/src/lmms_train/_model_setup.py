@@ -244,6 +244,7 @@ def build_model(
         handles.append(linear_patch_embed(spec.vision_tower(model)))
     if t.use_liger_kernel and getattr(spec, "supports_liger", True):
         handles.append(_apply_liger(model, spec, env))
+    units = _apply_plans(model, spec, env, t, hf_config, handles)  # TP/EP: before AC, compile
     if env.sp > 1:
         from lmms_parallel import UlyssesAttention, sp_group
 
@@ -265,6 +266,7 @@ def build_model(
             param_dtype=torch.bfloat16 if t.bf16 else None,
             reshard_after_forward=t.reshard_after_forward,
             cpu_offload=t.fsdp_cpu_offload,
+            units=units,
         )
         if meta:
             from lmms_parallel import load_full_state_dict, materialize
@@ -281,6 +283,43 @@ def build_model(
         spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles,
         master=master, objective=objective,
     )  # fmt: skip
+
+
+def _apply_plans(
+    model: nn.Module, spec: Any, env: DistEnv, t: Any, hf_config: Any, handles: list[Any]
+) -> list[tuple[nn.Module, Any]]:
+    """MoE families: the experts implementation (`experts_backend`) and the expert-load meter
+    (metrics `moe/*`); then the spec's TP plan (`tp_degree`) or EP plan (`ep_degree`), applied by
+    lmms-parallel. Returns the FSDP2 units of the experts under EP (sharded over the ranks that
+    hold the same experts)."""
+    if hasattr(spec, "set_experts"):
+        from lmms_models import ExpertLoadMeter
+
+        try:
+            spec.set_experts(model, t.experts_backend)
+        except ValueError as exc:
+            raise ConfigError(f"trainer_args.experts_backend: {exc}") from None
+        handles.append(ExpertLoadMeter(spec, model))
+    if env.tp > 1:
+        from lmms_parallel import apply_tp, tp_mesh
+
+        try:
+            spec.check_tp(hf_config, env.tp)
+        except (ValueError, NotImplementedError) as exc:
+            raise ConfigError(f"trainer_args.tp_degree: {exc}") from None
+        apply_tp(spec.plan_root(model), spec.tp_plan, tp_mesh(env.mesh))
+    if env.ep <= 1:
+        return []
+    if not spec.ep_plan:
+        raise ConfigError(f"trainer_args.ep_degree: {spec.name} has no expert-parallel plan")
+    n_experts = spec.text_config(hf_config).num_experts
+    if n_experts % env.ep:
+        raise ConfigError(f"trainer_args.ep_degree {env.ep} must divide the {n_experts} experts")
+    from lmms_parallel import apply_ep, expert_meshes
+
+    meshes = expert_meshes(env.mesh, env.ep)
+    apply_ep(spec.plan_root(model), spec.ep_plan, meshes.ep_group)
+    return [(m, meshes.fsdp) for m in spec.experts_modules(model)]
 
 
 def ac_plan(t: Any) -> dict[str, tuple[str, float]]:

@@ -133,7 +133,11 @@ def run_micro_batches(
 
 
 def grad_norm(
-    optimizer: torch.optim.Optimizer, max_norm: float, device: torch.device
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    device: torch.device,
+    *,
+    model: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """Clip the global gradient norm of what `optimizer` steps (the model's parameters, or their
     fp32 masters) (0: no clipping); returns the norm as a device tensor. An optimizer with
@@ -144,6 +148,10 @@ def grad_norm(
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if not params:
         return torch.zeros((), device=device)
+    if model is not None:  # TP/EP: parameters on several meshes, experts differing per EP rank
+        from lmms_parallel import clip_grad_norm_
+
+        return clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, model=model)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
     if hasattr(norm, "full_tensor"):  # DTensor under FSDP2: all-reduced on the device
         norm = norm.full_tensor()

@@ -63,6 +63,8 @@ def run_training(cfg: TrainConfig) -> TrainOutcome:
         sp=t.sp_ulysses_degree,
         dp_replicate=t.dp_replicate,
         fsdp=True if t.fsdp is None and t.fsdp_cpu_offload else t.fsdp,  # offload needs FSDP2
+        tp=t.tp_degree,
+        ep=t.ep_degree,
     )
     try:
         lock = RunLock(Path(t.output_dir))
@@ -95,10 +97,16 @@ def _build_mesh(cfg: TrainConfig, env: DistEnv) -> None:
         return
     from lmms_parallel import ParallelDims
 
-    dims = ParallelDims(dp_replicate=env.dp_replicate, dp_shard=-1, sp=env.sp)
+    t = cfg.trainer_args
+    if env.ep > 1 and (t.save_final or t.save_steps or t.resume_from):
+        raise ConfigError(
+            "trainer_args.ep_degree > 1: checkpoints of expert-parallel runs are not implemented "
+            "yet; set save_final: false and save_steps: 0 (and no resume_from)"
+        )
+    dims = ParallelDims(dp_replicate=env.dp_replicate, dp_shard=-1, sp=env.sp, tp=env.tp, ep=env.ep)
     try:
         env.mesh = dims.build_mesh(env.device.type, world_size=env.world_size)
-    except ValueError as exc:
+    except (ValueError, NotImplementedError) as exc:
         raise ConfigError(
             f"parallel degrees do not fit the world size {env.world_size}: {exc}"
         ) from exc

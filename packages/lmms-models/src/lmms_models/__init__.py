@@ -9,7 +9,7 @@ sequence parallel. Adding a family is one folder under ``families/`` (docs/addin
 from ._attention import UPSTREAM_BACKENDS, set_attention, text_attention_kwargs
 from ._diffusion import DiffusionSpec, attach_encoder, get_encoder
 from ._flops import attention_flops
-from ._moe import EXPERTS_EP_PLAN, ExpertLoadMeter, MoESpecMixin
+from ._moe import EXPERTS_EP_PLAN, ExpertLoadMeter, MoESpecMixin, expert_load_meter
 from ._patch_embed import PatchEmbedHandle, linear_patch_embed
 from ._registry import MODEL_REGISTRY, get_model_spec, list_models, register_model
 from ._spec import IGNORE_INDEX, ModelSpec, shift_labels_packed, to_device
@@ -32,6 +32,7 @@ __all__ = [
     "VisionSplitPlan",
     "attach_encoder",
     "attention_flops",
+    "expert_load_meter",
     "get_encoder",
     "get_model_spec",
     "linear_patch_embed",

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EXPERTS_EP_PLAN", "ExpertLoadMeter", "MoESpecMixin"]
+__all__ = ["EXPERTS_EP_PLAN", "ExpertLoadMeter", "MoESpecMixin", "expert_load_meter"]
 
 #: Expert-parallel plan of the Qwen MoE decoders (Qwen3-MoE, Qwen3-VL-MoE, and the omni MoE
 #: thinkers that reuse their blocks): module patterns relative to the text decoder -> style.
@@ -121,6 +121,11 @@ class MoESpecMixin:
         default of lmms runs), ``"loop"`` (lmms_kernels' plain-torch reference), or any name in
         transformers' experts registry (``"eager"``: upstream's per-expert loop,
         ``"grouped_mm"``, ...). Returns the registered name now in the text config."""
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        known = ["grouped", "loop", "eager", *ALL_EXPERTS_FUNCTIONS.valid_keys()]
+        if backend not in known:
+            raise ValueError(f"unknown experts implementation {backend!r}; known: {known}")
         if backend in ("grouped", "loop"):
             from lmms_kernels import register_experts
 
@@ -196,6 +201,28 @@ class ExpertLoadMeter:
         self._counts, self._aux, self._forwards = None, None, 0
         return torch.cat([head, counts.to(device)])
 
+    def summarize(self, raw: torch.Tensor) -> torch.Tensor:
+        """``[aux_sum, n_aux, load_max_over_mean, ..._worst, dead_experts]`` on the device from a
+        :meth:`take` result (after the trainer sums it over ranks): five scalars instead of
+        ``L·E`` counts to bring to the host."""
+        counts = raw[2:].reshape(self.n_layers, self.n_experts)
+        ratio = counts.max(1).values / counts.mean(1).clamp_min(1e-9)  # [L]
+        dead = (counts == 0).float().mean()
+        return torch.stack([raw[0], raw[1], ratio.mean(), ratio.max(), dead])
+
+    @staticmethod
+    def named(summary: list[float]) -> dict[str, float]:
+        """The metrics of a :meth:`summarize` result read on the host."""
+        aux_sum, n_aux, ratio, worst, dead = summary
+        out = {
+            "moe/load_max_over_mean": ratio,
+            "moe/load_max_over_mean_worst": worst,
+            "moe/dead_experts": dead,
+        }
+        if n_aux > 0:
+            out["moe/aux_loss"] = aux_sum / n_aux
+        return out
+
     def load_metrics(self, values: list[float]) -> dict[str, float]:
         """The metrics of a :meth:`take` result (possibly summed over ranks), read on the host."""
         aux_sum, n_aux = values[0], values[1]
@@ -218,3 +245,8 @@ class ExpertLoadMeter:
         model = self._model()
         if model is not None:
             _METERS.pop(model, None)
+
+
+def expert_load_meter(model: nn.Module) -> ExpertLoadMeter | None:
+    """The :class:`ExpertLoadMeter` installed on ``model``, if any."""
+    return _METERS.get(model)

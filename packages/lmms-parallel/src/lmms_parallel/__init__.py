@@ -20,6 +20,7 @@ from lmms_parallel._mesh import (
     tp_mesh,
 )
 from lmms_parallel._meta import load_full_state_dict, materialize, meta_init, read_safetensors
+from lmms_parallel._norm import clip_grad_norm_
 from lmms_parallel._plans import apply_ep, apply_tp, match_plan, register_style, registered_styles
 from lmms_parallel._tp import SumGradOverGroup
 from lmms_parallel._ulysses import (
@@ -51,6 +52,7 @@ __all__ = [
     "apply_ep",
     "apply_fsdp",
     "apply_tp",
+    "clip_grad_norm_",
     "dp_mesh",
     "ensure_vision_participation",
     "ep_local_slice",

@@ -313,6 +313,26 @@ class TrainerArgs:
     dp_replicate: int = _f(
         1, "Replicated data-parallel degree (HSDP across groups); 1 = pure FSDP."
     )
+    tp_degree: int = _f(
+        1,
+        "Tensor-parallel degree: the family's TP plan (attention and SwiGLU column/row-wise; "
+        "Qwen2/2.5(-VL), Qwen3(-VL)) on this many neighbouring ranks, which read the same packs; "
+        "FSDP2 shards over the rest. Must divide the attention and KV heads; not together with "
+        "`sp_ulysses_degree` or `ep_degree` > 1.",
+    )
+    ep_degree: int = _f(
+        1,
+        "Expert-parallel degree (MoE families): each group of this many data-parallel ranks "
+        "splits the experts and exchanges tokens by all-to-all (dropless); must divide the "
+        "experts and `world / (dp_replicate * tp_degree)`. Checkpoints under EP are not "
+        "implemented yet (set `save_final: false`, `save_steps: 0`).",
+    )
+    experts_backend: str = _f(
+        "grouped",
+        "MoE experts: `grouped` (lmms-kernels: sorted tokens, one grouped GEMM per projection, "
+        "no per-expert loop), `loop` (its plain-torch reference), or a transformers experts "
+        "implementation (`eager`: upstream's per-expert loop, `grouped_mm`, `batched_mm`).",
+    )
     fsdp: bool | None = _f(
         None,
         "Shard parameters, gradients and optimizer state with FSDP2. Unset: FSDP2 on several "

@@ -37,7 +37,8 @@ _TINY: dict[str, Any] = merge_tiny(
 
 #: Qwen3-VL-30B-A3B's shape (random weights: benchmarks and GPU examples). 48 decoder layers of
 #: 128 experts (8 active, 768 wide), hidden 2048, 32 heads / 4 KV heads of 128; the 27-layer
-#: ViT of Qwen3-VL with deepstack at layers 8, 16, 24. ~30.5B parameters, ~3.3B active per token.
+#: ViT of Qwen3-VL with deepstack at layers 8, 16, 24. 31.1B parameters; 3.0B LM matmul parameters
+#: active per token (lm_matmul_params).
 QWEN3_VL_30B_A3B: dict[str, Any] = {
     "text_config": {
         "vocab_size": 151936,
