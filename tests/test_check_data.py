@@ -61,16 +61,21 @@ def test_check_data_reports_what_a_user_needs(tiny_inputs, llava_dir, tmp_path, 
     assert "3 good, 2 bad" in capsys.readouterr().out
 
 
-def test_engine_config_converts_and_trains(tiny_inputs, tmp_path, capsys):
-    """An lmms-engine-shaped config (inline data list, processor block, HF arguments) runs."""
+def test_engine_config_converts_and_trains(tiny_inputs, llava_dir, tmp_path, capsys):
+    """An lmms-engine-shaped config (inline data list, processor block, HF arguments) trains on a
+    mixture of the Parquet data and a LLaVA JSON array."""
     from lmms_train import train
     from lmms_train.config import load_config
 
+    recs = json.loads((llava_dir / "llava.json").read_text())
+    clean = [r for r in recs if r["image"] == "a.png" and len(r["conversations"][1]["value"]) < 50]
+    (llava_dir / "clean.json").write_text(json.dumps(clean * 4, indent=2))
     engine = {
         "trainer_type": "fsdp2_trainer",
         "dataset_config": {
             "dataset_type": "vision", "dataset_format": "yaml",
-            "datasets": [{"path": tiny_inputs["data"], "data_folder": "", "data_type": "parquet"}],
+            "datasets": [{"path": tiny_inputs["data"], "data_folder": "", "data_type": "parquet"},
+                         {"path": str(llava_dir / "clean.json"), "data_type": "json"}],
             "processor_config": {"processor_name": tiny_inputs["processor"],
                                  "processor_type": "qwen2_5_vl"},
             "packing": True, "packing_strategy": "first_fit", "packing_length": 384,
@@ -93,7 +98,9 @@ def test_engine_config_converts_and_trains(tiny_inputs, tmp_path, capsys):
     assert convert_config_main([str(path), "-o", str(tmp_path / "out.yaml")]) == 0
     converted = yaml.safe_load((tmp_path / "out.yaml").read_text())
     assert converted["trainer_args"]["activation_checkpointing"] == "full"
-    assert converted["dataset_config"]["dataset_path"] == tiny_inputs["data"]
+    assert converted["dataset_config"]["dataset_path"] == [
+        tiny_inputs["data"], str(llava_dir / "clean.json")
+    ]  # fmt: skip
     cfg = load_config(path, ["trainer_args.save_final=false"])
     assert "is an lmms-engine config" in capsys.readouterr().err
     assert cfg.model_config.processor_path == tiny_inputs["processor"]
