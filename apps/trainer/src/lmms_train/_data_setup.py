@@ -72,6 +72,10 @@ def _generate(g: Any, dataset_path: str, spec: Any) -> None:
     from lmms_data import generate_synthetic_audio, generate_synthetic_text, generate_synthetic_vl
 
     out = dataset_path if not Path(dataset_path).suffix else str(Path(dataset_path).parent)
+    if (g.kind or getattr(spec, "synthetic_kind", "")) in ("shapes", "clips"):
+        from lmms_train._latent_data import generate_latent_demo
+
+        return generate_latent_demo(g, out, g.kind or spec.synthetic_kind)
     audio = "input_features" in spec.media_keys
     kind = g.kind or ("audio" if audio else "vl" if spec.media_keys else "text")
     if kind == "text":
@@ -229,6 +233,10 @@ def _is_data_error(exc: Exception) -> bool:
 
 def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, Any]:
     """This rank's training stream and a callable giving the validation packs (or None)."""
+    if getattr(spec, "latent_batches", False):  # diffusion transformers
+        from lmms_train._latent_data import build_latent_data
+
+        return build_latent_data(cfg, env, spec)
     from lmms_data import build_dataloader, build_processor
 
     dcfg = data_config(cfg, spec)

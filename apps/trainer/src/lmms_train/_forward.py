@@ -128,7 +128,10 @@ def make_forward(
         from lmms_parallel import SequenceParallel, sp_group
 
         group = sp_group(env.mesh)
-        SequenceParallel(spec.sp_slice_module(model), group).install()
+        if hasattr(spec, "install_sp"):  # the family splits its own tokens (wan: video)
+            spec.install_sp(model, group)
+        else:
+            SequenceParallel(spec.sp_slice_module(model), group).install()
 
     # No explicit ensure_vision_participation here: the hook above runs the dummy where the
     # peers run the tower; a call before the forward would put its all-gathers first.

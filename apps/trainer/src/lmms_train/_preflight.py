@@ -70,7 +70,7 @@ def _name_problems(cfg: TrainConfig, spec: Any, problems: list[str]) -> None:
     if t.vision_attn_backend is not None:
         checks.append(("trainer_args.vision_attn_backend", t.vision_attn_backend, list(BACKENDS)))
     family = d.processor_family or (spec.processor_family if spec is not None else None)
-    if family is not None:
+    if family is not None and not getattr(spec, "latent_batches", False):
         checks.append(("dataset_config.processor_family", family, list(PROCESSOR_REGISTRY.names())))
     for key, value, names in checks:
         if value not in names:

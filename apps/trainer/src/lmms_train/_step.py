@@ -86,7 +86,7 @@ def batch_stats(
         lm, vis = flops_fn(b, lens)
         sums["flops_lm"] += lm
         sums["flops_vision"] += vis
-        sums["capacity"] += max(packing_length, int(b["input_ids"].shape[-1]))
+        sums["capacity"] += max(packing_length, int(b["cu_seqlens"][-1]))
         sums["packs"] += 1
     return sums, all_lens
 

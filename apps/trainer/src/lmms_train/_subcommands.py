@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from lmms_train._diffusion_cli import precompute_main, render_main
 from lmms_train._errors import ConfigError, UserError
 
 __all__ = ["SUBCOMMANDS", "check_data_main", "convert_config_main", "sample_main", "version_main"]
@@ -127,6 +128,8 @@ def sample_main(args: list[str]) -> int:
 
 
 SUBCOMMANDS = {
+    "render": render_main,
+    "precompute": precompute_main,
     "sample": sample_main,
     "check-data": check_data_main,
     "convert-config": convert_config_main,

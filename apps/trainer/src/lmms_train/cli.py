@@ -4,6 +4,8 @@
     torchrun --nproc_per_node=N -m lmms_train CONFIG.yaml [...]
     lmms-train plot RUN_DIR [--out FILE.png]            loss / MFU / throughput curves
     lmms-train docs                                     print the config reference (docs/config.md)
+    lmms-train render CHECKPOINT_DIR --out F.png|.gif   diffusion checkpoints: ODE samples (SiT grid, Wan clips)
+    lmms-train precompute CONFIG.yaml --out DIR         diffusion data: VAE latents + text embeddings to Parquet
     lmms-train check-data CONFIG.yaml [--num-records N] the data path over N records: speed, tokens, media, bad records, a sample
     lmms-train convert-config ENGINE.yaml [-o OUT.yaml] rewrite an lmms-engine config (docs/migrating-from-lmms-engine.md)
     lmms-train sample CKPT_DIR --prompt TEXT [...]      decode from a masked-diffusion checkpoint (docs/diffusion-lm.md)

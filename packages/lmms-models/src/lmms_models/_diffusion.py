@@ -21,7 +21,9 @@ The spec answers the objective's questions (:meth:`diffusion_inputs`, :meth:`dro
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +32,26 @@ from torch import nn
 from ._flops import attention_flops
 from ._spec import ModelSpec
 
-__all__ = ["DiffusionSpec", "attach_encoder", "get_encoder", "require_diffusers"]
+__all__ = [
+    "DiffusionSpec",
+    "attach_encoder",
+    "call_denoiser",
+    "encoders_of",
+    "get_encoder",
+    "on_device",
+    "require_diffusers",
+    "save_encoders",
+]
+
+
+def call_denoiser(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call the denoiser ``model`` (the root module). Inside the trainer's step the root's
+    ``forward`` is temporarily the objective itself (``call_through_root``: FSDP2's root hooks
+    fire around the whole step), so the class's own forward is called directly there; elsewhere
+    the module is called normally (hooks included)."""
+    if "forward" in model.__dict__:
+        return type(model).forward(model, *args, **kwargs)
+    return model(*args, **kwargs)
 
 
 def require_diffusers() -> Any:
@@ -45,14 +66,101 @@ def require_diffusers() -> Any:
 
 
 class DiffusionSpec(ModelSpec):
-    """Base class of the diffusion-transformer families (``sit``, ``wan``)."""
+    """Base class of the diffusion-transformer families (``sit``, ``wan``).
+
+    Frozen encoders are part of the model's config dict under ``encoder_classes``' keys (e.g.
+    ``vae``, ``text_encoder``): a dict builds the encoder from that config (random weights from
+    a fixed seed, the same on every rank: tiny runs), a string loads a local folder. They are
+    attached with :func:`attach_encoder` (outside the trained module tree).
+    """
 
     default_objective: str = "flow_matching"
     objective_defaults: dict[str, Any] = {}  # noqa: RUF012 (read-only class table)
+    latent_batches: bool = True  # the trainer reads lmms_data.build_latent_loader batches
+    supports_liger: bool = False  # no RMSNorm/SwiGLU decoder for Liger's kernels
+    synthetic_kind: str = ""  # lmms-train's generate_synthetic default for the family
+    # name -> (library, model class, config class or "" for diffusers' own configs)
+    encoder_classes: dict[str, tuple[str, str, str]] = {}  # noqa: RUF012
+
+    def split_encoders(self, config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(transformer config, {encoder name: config dict or local path})``. Token ids that
+        the trainer copies from a local tokenizer into tiny configs (``*_token_id``) concern the
+        text encoder, not the denoiser, and are left out."""
+        conf = {
+            k: v
+            for k, v in config.items()
+            if k not in self.encoder_classes and not k.endswith("_token_id")
+        }
+        return conf, {k: config[k] for k in self.encoder_classes if config.get(k) is not None}
+
+    def build_encoder(self, name: str, source: dict[str, Any] | str, seed: int = 0) -> nn.Module:
+        """Encoder ``name`` from a config dict (seeded init) or a local folder."""
+        import importlib
+
+        lib, model_cls, config_cls = self.encoder_classes[name]
+        if lib == "diffusers":
+            require_diffusers()
+        mod = importlib.import_module(lib)
+        cls = getattr(mod, model_cls)
+        if isinstance(source, str):
+            return cls.from_pretrained(source, local_files_only=True)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + sum(map(ord, name)))
+            if config_cls:
+                return cls(getattr(mod, config_cls)(**source))
+            return cls(**source)
+
+    def attach_encoders(self, model: nn.Module, encoders: dict[str, Any]) -> None:
+        for name, source in encoders.items():
+            attach_encoder(model, name, self.build_encoder(name, source))
+
+    def pretrained_parts(self, path: str) -> tuple[str, dict[str, str]]:
+        """``(transformer folder, {encoder: folder})`` of a local checkpoint: a diffusers
+        pipeline layout (``transformer/``, ``vae/``, ``text_encoder/``) or a bare model folder."""
+        root = Path(path)
+        folder = root / "transformer" if (root / "transformer" / "config.json").is_file() else root
+        enc = {
+            n: str(root / n) for n in self.encoder_classes if (root / n / "config.json").is_file()
+        }
+        return str(folder), enc
+
+    def pretrained_config(self, path: str) -> dict[str, Any]:
+        """The config dict of a local checkpoint, its encoders as folder paths."""
+        folder, encoders = self.pretrained_parts(path)
+        conf = json.loads((Path(folder) / "config.json").read_text())
+        return {**{k: v for k, v in conf.items() if not k.startswith("_")}, **encoders}
+
+    def media_factors(self, config: dict[str, Any]) -> tuple[int, int, int | None]:
+        """``(temporal, spatial, latent channels)`` from media to latents under the config's VAE
+        (``(1, 1, None)`` without one: pixel space or precomputed latents)."""
+        return 1, 1, None
+
+    def tokens_fn(self, config: dict[str, Any]) -> Any:
+        """``shape -> tokens``: transformer tokens of a sample whose batch entry (pixels, or
+        latents when the shape's channels are the VAE's) has ``shape`` (no batch dim)."""
+        conf, _ = self.split_encoders(config)
+        hf = self.make_config(conf)
+        ft, fs, z = self.media_factors(config)
+
+        def fn(shape: tuple[int, ...]) -> int:
+            if z is not None and shape[0] == 3:  # pixels through the VAE
+                dims = [1 + (d - 1) // ft for d in shape[1:-2]] + [d // fs for d in shape[-2:]]
+                shape = (z, *dims)
+            return self.tokens_per_sample(hf, shape)
+
+        return fn
 
     # ---------------------------------------------------------------- objective hooks
     def diffusion_inputs(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-        """``(x1, condition)``: clean latents ``[B, ...]`` (fp32) and the family's condition."""
+        """``(x1, condition)``: clean latents ``[B, ...]`` (fp32) and the family's condition, on
+        the model's device (media and text encoded by the attached frozen encoders)."""
+        device = next(model.parameters()).device
+        return self.encode_batch(encoders_of(model), batch, device)
+
+    def encode_batch(
+        self, encoders: dict[str, nn.Module], batch: dict[str, Any], device: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """:meth:`diffusion_inputs` with explicit encoders (also the precompute stage's)."""
         raise NotImplementedError
 
     def drop_condition(self, model: nn.Module, cond: Any, drop: torch.Tensor) -> Any:
@@ -139,11 +247,28 @@ def attach_encoder(model: nn.Module, name: str, encoder: nn.Module) -> None:
     model.__dict__.setdefault(_FROZEN, {})[name] = encoder
 
 
-def get_encoder(model: nn.Module, name: str, device: torch.device) -> nn.Module | None:
-    """The frozen encoder ``name`` on ``device`` (moved there once), or None."""
-    enc = model.__dict__.get(_FROZEN, {}).get(name)
+def encoders_of(model: nn.Module) -> dict[str, nn.Module]:
+    """The frozen encoders attached to ``model`` (name -> module)."""
+    return dict(model.__dict__.get(_FROZEN, {}))
+
+
+def on_device(encoders: dict[str, nn.Module], name: str, device: Any) -> nn.Module | None:
+    """``encoders[name]`` moved to ``device`` (once), or None."""
+    enc = encoders.get(name)
     if enc is not None:
         p = next(iter(enc.parameters()), None)
-        if p is not None and p.device != device:
+        if p is not None and p.device != torch.device(device):
             enc.to(device)
     return enc
+
+
+def save_encoders(model: nn.Module, out_dir: str | Path) -> None:
+    """Write the attached encoders into ``out_dir/<name>/`` (their own ``save_pretrained``), so
+    an exported folder renders and resumes with the same frozen VAE / text encoder."""
+    for name, enc in encoders_of(model).items():
+        enc.save_pretrained(str(Path(out_dir) / name))
+
+
+def get_encoder(model: nn.Module, name: str, device: torch.device) -> nn.Module | None:
+    """The frozen encoder ``name`` of ``model`` on ``device`` (moved there once), or None."""
+    return on_device(encoders_of(model), name, device)

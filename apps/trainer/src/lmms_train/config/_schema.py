@@ -87,8 +87,11 @@ class ModelConfig:
 class SyntheticDataConfig:
     """Generate a deterministic synthetic dataset if `dataset_path` is missing."""
 
-    kind: Literal["vl", "text", "audio"] | None = _f(
+    kind: Literal["vl", "text", "shapes", "clips", "audio"] | None = _f(
         None,
+        "`shapes`: coloured shapes with class labels, `clips`: moving-shape clips with captions "
+        "(diffusion transformers: `lmms_data.generate_synthetic_shapes` / `_clips`; the "
+        "default for sit / wan); "
         "`vl`: coloured-shape images with questions (`lmms_data.generate_synthetic_vl`); `text`: "
         "text-only chats (sums, copy, reverse; `generate_synthetic_text`); `audio`: tone "
         "\"digits\" with questions (`generate_synthetic_audio`). Default: `audio` for audio "

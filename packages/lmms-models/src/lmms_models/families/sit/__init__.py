@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._diffusion import DiffusionSpec, get_encoder
+from ..._diffusion import DiffusionSpec, call_denoiser, on_device
 from ..._registry import register_model
 from ._model import SiT, SiTBlock, SiTConfig, sincos_2d, timestep_features
 
@@ -38,6 +38,8 @@ class SiTSpec(DiffusionSpec):
     processor_family = "sit"
     presets = PRESETS
     objective_defaults = {"convention": "sit"}  # noqa: RUF012
+    synthetic_kind = "shapes"
+    encoder_classes = {"vae": ("diffusers", "AutoencoderKL", "")}  # noqa: RUF012
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         conf = dict(
@@ -48,7 +50,7 @@ class SiTSpec(DiffusionSpec):
         return conf
 
     def make_config(self, config: dict[str, Any]) -> SiTConfig:
-        conf = dict(config)
+        conf, _ = self.split_encoders(config)
         if conf.setdefault("model_type", "sit") != "sit":
             raise ValueError(f"config says model_type={conf['model_type']!r}; sit builds 'sit'")
         return SiTConfig(**conf)
@@ -68,23 +70,37 @@ class SiTSpec(DiffusionSpec):
             raise ValueError("give exactly one of config= or pretrained=")
         device = torch.device(device)
         if pretrained is not None and device.type != "meta":
-            return SiT.from_pretrained(pretrained).to(device=device, dtype=dtype)
+            folder, encoders = self.pretrained_parts(pretrained)
+            model = SiT.from_pretrained(folder).to(device=device, dtype=dtype)
+            self.attach_encoders(model, encoders)
+            return model
         if pretrained is not None:
-            config = json.loads((Path(pretrained) / "config.json").read_text())
+            config = self.pretrained_config(pretrained)
         with torch.device(device):
             model = SiT(self.make_config(config))  # type: ignore[arg-type]
+        self.attach_encoders(model, self.split_encoders(config)[1])  # type: ignore[arg-type]
         return model.to(dtype)
 
+    def media_factors(self, config: dict[str, Any]) -> tuple[int, int, int | None]:
+        vae = config.get("vae")
+        if vae is None:
+            return 1, 1, None
+        if isinstance(vae, str):
+            vae = json.loads((Path(vae) / "config.json").read_text())
+        blocks = vae.get("block_out_channels", (64,))
+        return 1, 2 ** (len(blocks) - 1), int(vae.get("latent_channels", 4))
+
     # ---------------------------------------------------------------- objective hooks
-    def diffusion_inputs(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-        dev = model.x_embedder.proj.weight.device
+    def encode_batch(
+        self, encoders: dict[str, nn.Module], batch: dict[str, Any], device: Any
+    ) -> tuple[torch.Tensor, Any]:
         if "latents" in batch:
-            x1 = batch["latents"].to(dev, torch.float32)
+            x1 = batch["latents"].to(device, torch.float32)
         else:
-            pixels = batch["pixel_values"].to(dev, torch.float32)  # [B, 3, H, W] in [-1, 1]
-            vae = get_encoder(model, "vae", dev)
+            pixels = batch["pixel_values"].to(device, torch.float32)  # [B, 3, H, W] in [-1, 1]
+            vae = on_device(encoders, "vae", device)
             x1 = pixels if vae is None else encode_latents(vae, pixels)
-        return x1, batch["class_labels"].to(dev, torch.int64)
+        return x1, batch["class_labels"].to(device, torch.int64)
 
     def drop_condition(self, model: nn.Module, cond: Any, drop: torch.Tensor) -> Any:
         return torch.where(drop, torch.full_like(cond, model.config.num_classes), cond)
@@ -101,7 +117,7 @@ class SiTSpec(DiffusionSpec):
                 "sit: sequence parallel is not supported (256 px images are 256 tokens at "
                 "patch 2: data parallelism covers them); set sp_ulysses_degree: 1"
             )
-        out = model(x_t.to(model.x_embedder.proj.weight.dtype), timestep, cond)
+        out = call_denoiser(model, x_t.to(model.x_embedder.proj.weight.dtype), timestep, cond)
         return out[:, : x_t.shape[1]]  # learn_sigma checkpoints: the variance half is unused
 
     def tokens_per_sample(self, config: Any, latent_shape: Sequence[int]) -> int:

@@ -235,6 +235,9 @@ class SiT(nn.Module):
         (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         sd = state_dict if state_dict is not None else self.state_dict()
         save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
+        from ..._diffusion import save_encoders
+
+        save_encoders(self, out)
 
     @classmethod
     def from_pretrained(cls, path: str, **_: Any) -> SiT:
@@ -242,6 +245,7 @@ class SiT(nn.Module):
         from safetensors.torch import load_file
 
         conf = json.loads((Path(path) / "config.json").read_text())
-        model = cls(SiTConfig(**conf))
+        fields = set(SiTConfig.__dataclass_fields__)
+        model = cls(SiTConfig(**{k: v for k, v in conf.items() if k in fields}))
         model.load_state_dict(load_file(str(Path(path) / "model.safetensors")))
         return model

@@ -16,6 +16,7 @@ position padding). Ulysses SP over video tokens: :class:`WanUlysses`.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._diffusion import DiffusionSpec, get_encoder, require_diffusers
+from ..._diffusion import (
+    DiffusionSpec,
+    call_denoiser,
+    on_device,
+    require_diffusers,
+    save_encoders,
+)
 from ..._registry import register_model
 from ._sp import WanUlysses, scale_grad
 
@@ -67,6 +74,11 @@ class WanSpec(DiffusionSpec):
     processor_family = "wan"
     presets = PRESETS
     objective_defaults = {"convention": "rectified_flow", "shift": 5.0}  # noqa: RUF012
+    synthetic_kind = "clips"
+    encoder_classes = {  # noqa: RUF012
+        "vae": ("diffusers", "AutoencoderKLWan", ""),
+        "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
+    }
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         conf = dict(
@@ -79,7 +91,7 @@ class WanSpec(DiffusionSpec):
 
     def make_config(self, config: dict[str, Any]) -> Any:
         """The ``FrozenDict`` config diffusers' class would hold (via a meta-device build)."""
-        conf = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
+        conf = self._transformer_config(config)
         with torch.device("meta"):
             model = require_diffusers().WanTransformer3DModel(**conf)
         return model.config
@@ -99,32 +111,56 @@ class WanSpec(DiffusionSpec):
             raise ValueError("give exactly one of config= or pretrained=")
         device = torch.device(device)
         if pretrained is not None and device.type != "meta":
-            model = cls.from_pretrained(pretrained, local_files_only=True)
+            folder, encoders = self.pretrained_parts(pretrained)
+            model = self.build(config=self.pretrained_config(folder), device="cpu")
+            model.load_state_dict(_read_weights(folder), strict=True)
+            self.attach_encoders(model, encoders)
             return model.to(device) if dtype == torch.float32 else model.to(device, dtype)
         if pretrained is not None:
-            config = json.loads((Path(pretrained) / "config.json").read_text())
-        conf = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}  # type: ignore[union-attr]
+            config = self.pretrained_config(pretrained)
         with torch.device(device):
-            model = cls(**conf)
+            model = cls(**self._transformer_config(config))  # type: ignore[arg-type]
+        self.attach_encoders(model, self.split_encoders(config)[1])  # type: ignore[arg-type]
+        # lmms_parallel.export_hf hands the gathered weights as state_dict=, which diffusers'
+        # save_pretrained does not take: this instance writes them in diffusers' own layout.
+        model.save_pretrained = functools.partial(_save_pretrained, model)
         return model if dtype == torch.float32 else model.to(dtype)
 
+    def _transformer_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        conf, _ = self.split_encoders(config)
+        return {k: v for k, v in conf.items() if not k.startswith("_") and k != "model_type"}
+
+    def media_factors(self, config: dict[str, Any]) -> tuple[int, int, int | None]:
+        vae = config.get("vae")
+        if vae is None:
+            return 1, 1, None
+        if isinstance(vae, str):
+            vae = json.loads((Path(vae) / "config.json").read_text())
+        temporal = 2 ** sum(bool(x) for x in vae.get("temperal_downsample", [False, True, True]))
+        spatial = 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
+        return temporal, spatial, int(vae.get("z_dim", 16))
+
     # ---------------------------------------------------------------- objective hooks
-    def diffusion_inputs(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, Any]:
-        dev = model.proj_out.weight.device
+    def encode_batch(
+        self, encoders: dict[str, nn.Module], batch: dict[str, Any], device: Any
+    ) -> tuple[torch.Tensor, Any]:
         if "latents" in batch:
-            x1 = batch["latents"].to(dev, torch.float32)
+            x1 = batch["latents"].to(device, torch.float32)
         else:
-            vae = get_encoder(model, "vae", dev)
+            vae = on_device(encoders, "vae", device)
             if vae is None:
-                raise ValueError("wan: pixel_values need a VAE (attach_encoder(model, 'vae', ...))")
-            x1 = encode_video(vae, batch["pixel_values"].to(dev, torch.float32))
+                raise ValueError("wan: pixel_values need a VAE (model config key 'vae')")
+            x1 = encode_video(vae, batch["pixel_values"].to(device, torch.float32))
         if "text_embeds" in batch:
-            text = batch["text_embeds"].to(dev, torch.float32)
+            text = batch["text_embeds"].to(device, torch.float32)
         else:
-            enc = get_encoder(model, "text_encoder", dev)
+            enc = on_device(encoders, "text_encoder", device)
             if enc is None:
-                raise ValueError("wan: input_ids need a text encoder (attach_encoder)")
-            text = encode_text(enc, batch["input_ids"].to(dev), batch["attention_mask"].to(dev))
+                raise ValueError(
+                    "wan: input_ids need a text encoder (model config key 'text_encoder')"
+                )
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            text = encode_text(enc, ids, mask)
         return x1, text
 
     def drop_condition(self, model: nn.Module, cond: Any, drop: torch.Tensor) -> Any:
@@ -139,7 +175,8 @@ class WanSpec(DiffusionSpec):
         sp_group: Any = None,
     ) -> torch.Tensor:  # fmt: skip
         dtype = model.proj_out.weight.dtype
-        out = model(
+        out = call_denoiser(
+            model,
             hidden_states=x_t.to(dtype), timestep=timestep, encoder_hidden_states=cond.to(dtype),
             return_dict=False,
         )[0]  # fmt: skip
@@ -207,3 +244,31 @@ def encode_text(encoder: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor)
     with torch.no_grad():
         states = encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()
     return states * mask[..., None].to(states.dtype)
+
+
+def _save_pretrained(
+    model: nn.Module, out_dir: str, *, state_dict: dict[str, Any] | None = None, **_: Any
+) -> None:
+    """``config.json`` + ``diffusion_pytorch_model.safetensors`` (``from_pretrained`` loads it)."""
+    from safetensors.torch import save_file
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    model.save_config(out_dir)
+    sd = state_dict if state_dict is not None else model.state_dict()
+    tensors = {k: v.detach().contiguous() for k, v in sd.items()}
+    save_file(tensors, str(Path(out_dir) / "diffusion_pytorch_model.safetensors"))
+    save_encoders(model, out_dir)
+
+
+def _read_weights(folder: str) -> dict[str, torch.Tensor]:
+    """Every ``*.safetensors`` shard of a diffusers model folder (no ``accelerate`` needed, which
+    diffusers' ``from_pretrained`` requires for Wan's fp32-kept modules)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no .safetensors weights")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
