@@ -214,3 +214,30 @@ def test_sharegpt_array_through_the_text_processor(tmp_path):
         sup = b["labels"][b["labels"] != -100]
         text = tok.decode(sup)  # both assistant turns supervised, nothing else
         assert text == f"{i + 1}.<|im_end|>{2 * (i + 1)}.<|im_end|>", text
+
+
+def test_input_audio_part_through_the_audio_processor(tmp_path):
+    """An OpenAI `input_audio` part (base64 WAV) becomes audio features and audio tokens."""
+    import wave
+
+    pytest.importorskip("soundfile")
+    from lmms_data import build_local_processor
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes((np.sin(np.arange(16000) * 0.05) * 8000).astype(np.int16).tobytes())
+    audio = {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}
+    rec = {"messages": [
+        {"role": "user", "content": [{"type": "input_audio", "input_audio": audio},
+                                     {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": "A tone."}]}  # fmt: skip
+    (tmp_path / "audio.json").write_text(json.dumps([rec]))
+    info = build_local_processor(str(tmp_path / "proc"), "qwen2_audio")
+    cfg = DatasetConfig(dataset_path=str(tmp_path / "audio.json"), packing=False, num_epochs=1,
+                        bad_record_policy="raise")  # fmt: skip
+    proc = build_processor("qwen2_audio", info["path"], cfg)
+    (b,) = list(SlotStream(cfg, discover(cfg, 1), proc, slot=0, n_slots=1, as_torch=False))
+    assert b["input_features"].shape[-1] == 128 and int(np.asarray(b["audio_frames"]).sum()) > 0
