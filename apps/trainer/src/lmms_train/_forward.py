@@ -104,10 +104,12 @@ def make_forward(
     loss_backend: str = "auto",
     objective: Any = None,
     seed: int = 0,
+    split_vision: bool = True,
 ) -> ObjectiveForward:
     """The forward for this run's layout (plain, FSDP, SP); `loss_backend`: the fused linear
     cross-entropy's (`lmms_kernels.fused_linear_cross_entropy`); `objective`: an
-    `lmms_models.objectives.Objective` (default `causal_lm`), `seed` its draws' seed."""
+    `lmms_models.objectives.Objective` (default `causal_lm`), `seed` its draws' seed;
+    `split_vision`: under SP, share the vision tower's work over the group (SplitVision)."""
     if objective is None:
         from lmms_models.objectives import get_objective
 
@@ -132,6 +134,10 @@ def make_forward(
             spec.install_sp(model, group)
         else:
             SequenceParallel(spec.sp_slice_module(model), group).install()
+        if split_vision and tower is not None:  # each SP rank encodes a share of the media
+            from lmms_models import SplitVision
+
+            SplitVision(spec, model, group).install()
 
     # No explicit ensure_vision_participation here: the hook above runs the dummy where the
     # peers run the tower; a call before the forward would put its all-gathers first.

@@ -194,6 +194,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
             loss_backend=cfg.trainer_args.loss_backend,
             objective=built.objective,
             seed=t.seed,
+            split_vision=t.sp_split_vision,
         ),
         optimizer=optimizer,
         scheduler=scheduler,

@@ -313,6 +313,12 @@ class TrainerArgs:
     sp_ulysses_degree: int = _f(
         1, "Ulysses sequence-parallel degree (ranks sharing one packed row)."
     )
+    sp_split_vision: bool = _f(
+        True,
+        "Under Ulysses SP, each rank of the group encodes a FLOPs-balanced share of the pack's "
+        "images and frames and the features are all-gathered (`lmms_models.SplitVision`); false: "
+        "every rank runs the vision tower on the whole pack.",
+    )
     dp_replicate: int = _f(
         1, "Replicated data-parallel degree (HSDP across groups); 1 = pure FSDP."
     )
