@@ -127,6 +127,14 @@ def test_resume_targets_and_model_shape(tiny_inputs, tmp_path, capsys):
         (tmp_path / "nope", "does not exist"),
     ):
         expect_failure(main, [str(path), f"trainer_args.resume_from={target}"], capsys, needle)
+    for name, damage, needle in (
+        ("no_shard", lambda d: (d / "__0_0.distcp").unlink(), "FileNotFoundError"),
+        ("bad_meta", lambda d: (d / ".metadata").write_bytes(b"x"), ".metadata: Unpickling"),
+    ):  # a checkpoint folder whose files are incomplete or corrupt
+        shutil.copytree(ckpt, tmp_path / name)
+        damage(tmp_path / name)
+        resume = f"trainer_args.resume_from={tmp_path / name}"
+        expect_failure(main, [str(path), resume], capsys, needle, "incomplete or corrupt")
     wider = "model_config.load_from_config.config.text_config.intermediate_size=96"
     expect_failure(
         main, [str(path), "trainer_args.resume_from=latest", wider], capsys,

@@ -154,9 +154,11 @@ class RunCheckpointer:
         try:
             with self._quiet(env):
                 extra = self.ckpt.load(path, model=model, optimizer=optimizer)
-        except (OSError, RuntimeError, KeyError, CheckpointException) as exc:
-            detail = " ".join(str(_os_error(exc) or exc).split())[:300]
-            raise UserError(f"could not resume from {path}: {detail}") from exc
+        except (Exception, CheckpointException) as exc:  # what the files hold: the user's
+            raise UserError(
+                f"could not resume from {path}: {_root_cause(exc)} (an incomplete or corrupt "
+                "checkpoint: resume from another one)"
+            ) from exc
         scheduler.load_state_dict(extra["scheduler"])
         state.load_state_dict(extra["train_state"])
         if extra.get("dp_size") != env.dp_size:
@@ -222,11 +224,23 @@ def _os_error(exc: BaseException) -> OSError | None:
     return None
 
 
+def _root_cause(exc: BaseException) -> str:
+    """`Type: message` of the error behind `exc` (a DCP CheckpointException's first failure),
+    on one line."""
+    while isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    os_error = _os_error(exc)
+    if os_error is not None:
+        exc = os_error
+    text = " ".join(str(exc).split())[:200]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def saved_config(path: Path) -> dict[str, Any] | None:
     """The run config a checkpoint was written with (None for older checkpoints)."""
     try:
         extra = torch.load(path / "extra_rank0.pt", map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError):
+    except Exception:  # unreadable: the load says so, naming the file
         return None
     config = extra.get("config") if isinstance(extra, dict) else None
     return config if isinstance(config, dict) else None
@@ -241,8 +255,11 @@ def check_fits(path: Path, model: torch.nn.Module, differences: list[str]) -> No
 
     try:
         meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise UserError(f"could not read the checkpoint {path}: {exc}") from exc
+    except Exception as exc:  # a truncated or foreign .metadata file
+        raise UserError(
+            f"could not read the checkpoint {path}: .metadata: {_root_cause(exc)} (an incomplete "
+            "or corrupt checkpoint: resume from another one)"
+        ) from exc
     saved = {
         k.removeprefix("model."): list(v.size)
         for k, v in meta.items()
