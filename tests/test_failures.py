@@ -211,6 +211,9 @@ def test_non_finite_skip_drops_the_update_and_counts_it(tiny_inputs, tmp_path, c
     from torch.distributed.checkpoint import FileSystemReader
 
     assert FileSystemReader(str(out / "checkpoints" / "step_000004")).read_metadata()
+    resume = ["trainer_args.resume_from=latest", "trainer_args.max_steps=5"]
+    assert main([str(path), *resume]) == 0  # the count is part of the checkpoint
+    assert read_jsonl(out / "metrics.jsonl")[-1]["skipped_steps"] == 1
     # a gradient that stays non-finite stops the run past max_nonfinite_skips
     _inject(monkeypatch, 2, "grad", every=True)
     over = ["trainer_args.max_nonfinite_skips=1", f"trainer_args.output_dir={tmp_path / 'o2'}"]

@@ -62,6 +62,7 @@ class DivergenceGuard:
         vocab_size: int | None = None,
         last_good: Callable[[], str] = lambda: "no checkpoint was written",
         announce: bool = True,
+        skipped: int = 0,
     ) -> None:
         self.policy, self.max_skips, self.last_good, self.announce = (
             policy,
@@ -70,7 +71,7 @@ class DivergenceGuard:
             announce,
         )
         self.flat_loss = math.log(vocab_size) if vocab_size else None
-        self.skipped = 0  # steps whose update was dropped, this process's run
+        self.skipped = skipped  # steps whose update was dropped (kept across resumes)
         self._skip_streak = 0
         self._zero_streak = 0
         self._flat_streak = 0

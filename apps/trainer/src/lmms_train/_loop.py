@@ -256,6 +256,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             skipped = run.guard.skip_update(run.state.step + 1, norm)  # False unless `skip`
             if skipped:
                 drop_update(run.optimizer)
+                run.state.extra["skipped_steps"] = run.guard.skipped  # saved with checkpoints
             else:
                 run.optimizer.step()
                 run.scheduler.step()

@@ -210,6 +210,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
             vocab_size=vocab_size_of(built.hf_config),
             last_good=checkpointer.latest_text,
             announce=env.is_main,
+            skipped=int(state.extra.get("skipped_steps", 0)),
         ),
     )
     try:
