@@ -249,3 +249,34 @@ def test_nothing_written_is_touched_by_a_failed_start(tiny_inputs, tmp_path, cap
     ):
         expect_failure(main, [str(path), *args], capsys, needle)
     assert tree_digest(out) == before
+
+
+def test_exit_codes_of_the_cli(cfg_path, capsys, monkeypatch):
+    """0 finished, 75 stopped by SIGTERM after saving, 130 Ctrl-C, 2 for an OSError the machine
+    caused (disk full, no permission), and a bug's exception propagates (exit 1, traceback)."""
+    import errno
+
+    import lmms_train._trainer as trainer
+    from lmms_train._trainer import TrainOutcome
+
+    def returning(stopped):
+        return lambda cfg: TrainOutcome(metrics={}, stopped=stopped)
+
+    def raising(exc):
+        def run(cfg):
+            raise exc
+
+        return run
+
+    monkeypatch.setattr(trainer, "run_training", returning(False))
+    assert main([cfg_path]) == 0
+    monkeypatch.setattr(trainer, "run_training", returning(True))
+    assert main([cfg_path]) == 75
+    monkeypatch.setattr(trainer, "run_training", raising(KeyboardInterrupt()))
+    expect_failure(main, [cfg_path], capsys, "interrupted (Ctrl-C)", code=130)
+    full = OSError(errno.ENOSPC, "No space left on device", "/x/metrics.jsonl")
+    monkeypatch.setattr(trainer, "run_training", raising(full))
+    expect_failure(main, [cfg_path], capsys, "no space left on the device while writing /x/")
+    monkeypatch.setattr(trainer, "run_training", raising(ZeroDivisionError("a bug")))
+    with pytest.raises(ZeroDivisionError):
+        main([cfg_path])
