@@ -193,7 +193,8 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
     }
     for i, name in enumerate(q.objective_metrics):  # global sums: numerator / denominator
         num, den = pairs[2 * i], pairs[2 * i + 1]
-        metrics[name] = num / den if den > 0 else float("nan")
+        if den > 0:  # an empty bucket (no sample drew such a t this step) is not logged
+            metrics[name] = num / den
     if q.evaluate:
         metrics["eval_loss"] = evaluate(run)
     if env.is_main:
