@@ -68,7 +68,8 @@ def _name_problems(cfg: TrainConfig, spec: Any, problems: list[str]) -> None:
         ("trainer_args.loss_backend", t.loss_backend, list(_LOSS_BACKENDS)),
     ]
     if t.vision_attn_backend is not None:
-        checks.append(("trainer_args.vision_attn_backend", t.vision_attn_backend, list(BACKENDS)))
+        vision = ["auto", *BACKENDS]
+        checks.append(("trainer_args.vision_attn_backend", t.vision_attn_backend, vision))
     family = d.processor_family or (spec.processor_family if spec is not None else None)
     if family is not None and not getattr(spec, "latent_batches", False):
         checks.append(("dataset_config.processor_family", family, list(PROCESSOR_REGISTRY.names())))
