@@ -143,3 +143,18 @@ def test_fsdp2_and_sp2_match_one_process(tmp_path):
         run = run_cli([str(path), f"trainer_args.output_dir={tmp_path / name}", *extra], nproc=2)
         assert run.returncode == 0, (name, run.stderr[-3000:])
         assert losses(name) == pytest.approx(expected, rel=2e-5, abs=1e-6), name
+        rows = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
+        imbalance = [r["perf/vision_flops_imbalance"] for r in rows]
+        assert all(x >= 1.0 for x in imbalance), imbalance  # max / mean over the DP ranks
+        if name == "sp":  # one DP rank: nothing to balance
+            assert imbalance == [1.0] * len(rows)
+
+
+def test_vision_imbalance_is_max_over_mean():
+    from types import SimpleNamespace
+
+    from lmms_train._loop import _vision_imbalance
+
+    env = SimpleNamespace(dp_size=4)
+    assert _vision_imbalance(6.0, 12.0, env) == {"perf/vision_flops_imbalance": 2.0}
+    assert _vision_imbalance(0.0, 0.0, env) == {}  # no media this step

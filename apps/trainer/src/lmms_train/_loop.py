@@ -85,6 +85,14 @@ def _flops_fn(run: Run):
     return fn
 
 
+def _vision_imbalance(largest: float, total: float, env: Any) -> dict[str, float]:
+    """``perf/vision_flops_imbalance``: max over data-parallel ranks of a step's vision FLOPs
+    over their mean (``total`` counts each SP/TP group's packs once); absent without media."""
+    if total <= 0:
+        return {}
+    return {"perf/vision_flops_imbalance": largest * env.dp_size / total}
+
+
 def _peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -231,8 +239,9 @@ def train_loop(run: Run) -> dict[str, Any]:
             reduced = dict(
                 zip(STAT_KEYS, env.all_reduce([sums[k] for k in STAT_KEYS]), strict=True)
             )
-            seq_max, neg_min = env.all_reduce(
-                [float(max(lens, default=0)), -float(min(lens, default=0))], op="max"
+            seq_max, neg_min, vision_max = env.all_reduce(
+                [float(max(lens, default=0)), -float(min(lens, default=0)), sums["flops_vision"]],
+                op="max",
             )
             per_sp = {k: v / env.row_share for k, v in reduced.items()}  # SP/TP ranks share packs
             global_count = per_sp["loss_tokens"]
@@ -284,6 +293,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                 "perf/global_seq_len_min": -neg_min,
                 "perf/global_seq_len_max": seq_max,
                 "packing_fill_ratio": per_sp["tokens"] / max(per_sp["capacity"], 1.0),
+                # the slowest data-parallel rank's vision FLOPs over the mean (1 = balanced)
+                **_vision_imbalance(vision_max, per_sp["flops_vision"], env),
                 **gc_clock.take(),  # this step's host loop (and the previous step's metrics)
             }
             if run.guard.policy == "skip":  # steps whose update was dropped, so far

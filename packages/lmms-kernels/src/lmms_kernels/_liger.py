@@ -76,6 +76,8 @@ LIGER_FAMILIES: dict[str, _FamilySpec] = {
     "qwen3_moe": _FamilySpec(rms_norm=("Qwen3MoeRMSNorm",), mlp=("Qwen3MoeMLP",)),
     "qwen2_5_vl": _FamilySpec(rms_norm=("Qwen2_5_VLRMSNorm",), mlp=("Qwen2MLP", "Qwen2_5_VLMLP")),
     "qwen3_vl": _FamilySpec(rms_norm=("Qwen3VLTextRMSNorm",), mlp=("Qwen3VLTextMLP",)),
+    # LLaVA-OneVision: the Qwen2 decoder (SigLIP's LayerNorm and GELU MLP stay upstream)
+    "llava_onevision": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),
 }
 # families whose MLP may legitimately be absent (all layers sparse)
 _MLP_OPTIONAL = frozenset({"qwen3_moe"})
