@@ -1,6 +1,8 @@
-"""Qwen2-Audio through the trainer on 2 CPU ranks (gloo): FSDP2 and Ulysses SP equal the
-1-process run, with one rank's data all text next to a rank with audio (the audio tower's dummy
-input keeps FSDP's collectives in step: no hang, same losses)."""
+"""Audio families through the trainer on 2 CPU ranks (gloo): FSDP2 and Ulysses SP equal the
+1-process run. Qwen2-Audio: one rank's data all text next to a rank with audio (the audio tower's
+dummy input keeps FSDP's collectives in step: no hang, same losses). Qwen2.5-Omni: one rank with
+audio only next to one with images only (each runs the tower it lacks on a dummy input, in the
+same order)."""
 
 from __future__ import annotations
 
@@ -16,22 +18,27 @@ from lmms_train._metrics import read_jsonl
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def audio_inputs(tmp_path_factory) -> dict[str, str]:
-    """Two shards, one unit each: audio records, then text-only records (slot 1 gets no audio)."""
+@pytest.fixture(scope="module", params=["qwen2_audio", "qwen2_5_omni"])
+def audio_inputs(request, tmp_path_factory) -> dict[str, str]:
+    """Two shards, one unit each: audio records, then text-only (Qwen2-Audio) or image records
+    (Qwen2.5-Omni): with 2 slots, slot 1 gets no audio."""
     pytest.importorskip("soundfile")
     pytest.importorskip("soxr")
-    from lmms_data import build_local_processor, generate_synthetic_audio, generate_synthetic_text
+    import lmms_data as ld
 
-    root = tmp_path_factory.mktemp("audio_inputs")
+    family = request.param
+    root = tmp_path_factory.mktemp(f"inputs_{family}")
     data = root / "data"
     data.mkdir()
-    (a,) = generate_synthetic_audio(str(root / "a"), 40, seed=0)
-    (t,) = generate_synthetic_text(str(root / "t"), 40, seed=0)
+    (a,) = ld.generate_synthetic_audio(str(root / "a"), 40, seed=0)
+    if family == "qwen2_audio":
+        (b,) = ld.generate_synthetic_text(str(root / "b"), 40, seed=0)
+    else:
+        (b,) = ld.generate_synthetic_vl(str(root / "b"), 40, seed=0)
     shutil.move(a, data / "shard-00000.parquet")
-    shutil.move(t, data / "shard-00001.parquet")
-    build_local_processor(str(root / "processor"), "qwen2_audio")
-    return {"data": str(data), "processor": str(root / "processor")}
+    shutil.move(b, data / "shard-00001.parquet")
+    ld.build_local_processor(str(root / "processor"), family)
+    return {"family": family, "data": str(data), "processor": str(root / "processor")}
 
 
 def _losses(out: Path) -> list[float]:
@@ -40,7 +47,8 @@ def _losses(out: Path) -> list[float]:
 
 @pytest.mark.multiprocess
 def test_audio_fsdp_and_sp_match_single_process(audio_inputs, tmp_path):
-    cfg = yaml.safe_load((REPO / "examples" / "qwen2_audio" / "tiny_cpu.yaml").read_text())
+    example = REPO / "examples" / audio_inputs["family"] / "tiny_cpu.yaml"
+    cfg = yaml.safe_load(example.read_text())
     cfg["model_config"]["processor_path"] = audio_inputs["processor"]
     d = cfg["dataset_config"]
     d.pop("generate_synthetic")

@@ -9,7 +9,16 @@ import pytest
 from lmms_train.config import load_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"))
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen2_audio")
+FAMILIES = (
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen2_audio",
+    "qwen2_5_omni",
+)
 
 
 def test_every_family_has_examples():
@@ -31,6 +40,7 @@ TINY = {  # each family's tiny CPU example
     "qwen3_vl": "qwen3_vl/tiny_cpu.yaml",
     "qwen3_vl_moe": "qwen3_vl_moe/tiny_cpu.yaml",
     "qwen2_audio": "qwen2_audio/tiny_cpu.yaml",
+    "qwen2_5_omni": "qwen2_5_omni/tiny_cpu.yaml",
 }
 
 
@@ -64,6 +74,8 @@ def test_tiny_example_trains(family, tmp_path):
     assert all(math.isfinite(r["loss"]) and 0 < r["loss"] < 10 for r in steps), steps
     assert all(r["samples"] > 0 and r["bad_records"] == 0 for r in steps), steps
     vl = "_vl" in family
-    assert all((r["vision_tokens"] > 0) == vl for r in steps), steps
-    columns = set(pq.read_schema(next(data.glob("*.parquet"))).names)
-    assert ("images" in columns) == vl, columns  # text data for text models
+    if family != "qwen2_5_omni":  # omni data: image shards and audio shards, packs of either
+        assert all((r["vision_tokens"] > 0) == vl for r in steps), steps
+    columns = set().union(*(pq.read_schema(p).names for p in data.glob("*.parquet")))
+    assert ("images" in columns) == (vl or family == "qwen2_5_omni"), columns  # text for text
+    assert ("audios" in columns) == (family in ("qwen2_audio", "qwen2_5_omni")), columns

@@ -28,6 +28,8 @@ _TOKENS = {
     "vision_start_token_id": "<|vision_start|>",
     "vision_end_token_id": "<|vision_end|>",
     "audio_token_id": "<|AUDIO|>",
+    "audio_start_token_id": "<|audio_bos|>",
+    "audio_end_token_id": "<|audio_eos|>",
 }
 
 
@@ -76,12 +78,19 @@ def _generate(g: Any, dataset_path: str, spec: Any) -> None:
         from lmms_train._latent_data import generate_latent_demo
 
         return generate_latent_demo(g, out, g.kind or spec.synthetic_kind)
-    audio = "input_features" in spec.media_keys
-    kind = g.kind or ("audio" if audio else "vl" if spec.media_keys else "text")
+    audio, vision = "input_features" in spec.media_keys, "pixel_values" in spec.media_keys
+    default = "omni" if audio and vision else "audio" if audio else "vl" if vision else "text"
+    kind = g.kind or default
     if kind == "text":
         generate_synthetic_text(out, g.num_samples, format=g.format, seed=g.seed)
     elif kind == "audio":
         generate_synthetic_audio(out, g.num_samples, format=g.format, seed=g.seed)
+    elif kind == "omni":
+        from lmms_data import generate_synthetic_omni
+
+        generate_synthetic_omni(
+            out, g.num_samples, format=g.format, seed=g.seed, image_size=g.image_size
+        )
     else:
         generate_synthetic_vl(
             out, g.num_samples, format=g.format, seed=g.seed, image_size=g.image_size

@@ -14,7 +14,13 @@ import os
 
 import numpy as np
 
-__all__ = ["DIGIT_HZ", "audio_records", "generate_synthetic_audio", "tone_digits"]
+__all__ = [
+    "DIGIT_HZ",
+    "audio_records",
+    "generate_synthetic_audio",
+    "generate_synthetic_omni",
+    "tone_digits",
+]
 
 DIGITS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 #: pitch of each digit (Hz): a semitone scale from 300 Hz, far apart in the mel bins
@@ -108,4 +114,36 @@ def generate_synthetic_audio(
                         g.write(b)
                     f.write(json.dumps({"messages": _messages(q, a, rel)}) + "\n")
         paths.append(path)
+    return paths
+
+
+def generate_synthetic_omni(
+    out_dir: str, n: int, format: str = "parquet", seed: int = 0, *, image_size: int = 64
+) -> list[str]:
+    """Half coloured-shape image records, half tone-digit audio records, as two shards of
+    ``out_dir`` (``images-00000.*``, ``audio-00000.*``): demo data for omni models."""
+    import shutil
+    import tempfile
+
+    from lmms_data._synthetic import generate_synthetic_vl
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        made = {
+            "images": generate_synthetic_vl(
+                os.path.join(tmp, "images"), n - n // 2, format, seed, image_size=image_size
+            ),
+            "audio": generate_synthetic_audio(os.path.join(tmp, "audio"), n // 2, format, seed),
+        }
+        for kind, files in made.items():
+            src_dir = os.path.dirname(files[0])
+            for sub in ("images", "audio"):  # jsonl media folders, referenced relatively
+                if os.path.isdir(os.path.join(src_dir, sub)):
+                    shutil.copytree(os.path.join(src_dir, sub), os.path.join(out_dir, sub),
+                                    dirs_exist_ok=True)  # fmt: skip
+            for f in files:
+                dst = os.path.join(out_dir, f"{kind}-" + os.path.basename(f).split("-", 1)[1])
+                shutil.move(f, dst)
+                paths.append(dst)
     return paths

@@ -87,15 +87,17 @@ class ModelConfig:
 class SyntheticDataConfig:
     """Generate a deterministic synthetic dataset if `dataset_path` is missing."""
 
-    kind: Literal["vl", "text", "shapes", "clips", "audio"] | None = _f(
+    kind: Literal["vl", "text", "shapes", "clips", "audio", "omni"] | None = _f(
         None,
         "`shapes`: coloured shapes with class labels, `clips`: moving-shape clips with captions "
         "(diffusion transformers: `lmms_data.generate_synthetic_shapes` / `_clips`; the "
         "default for sit / wan); "
         "`vl`: coloured-shape images with questions (`lmms_data.generate_synthetic_vl`); `text`: "
         "text-only chats (sums, copy, reverse; `generate_synthetic_text`); `audio`: tone "
-        "\"digits\" with questions (`generate_synthetic_audio`). Default: `audio` for audio "
-        "models, `vl` for vision-language models, `text` for text-only ones.",
+        '"digits" with questions (`generate_synthetic_audio`); `omni`: half of each of `vl` '
+        "and `audio` (`generate_synthetic_omni`). Default: `omni` for models that take images "
+        "and audio, `audio` for audio models, `vl` for vision-language models, `text` for "
+        "text-only ones.",
     )
     num_samples: int = _f(256, "Number of records to generate.")
     format: Literal["parquet", "jsonl"] = _f("parquet", "File format of the generated dataset.")

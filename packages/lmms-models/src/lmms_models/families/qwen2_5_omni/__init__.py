@@ -131,6 +131,18 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
             out["audio_config"] = {**out["audio_config"], **overrides["audio_config"]}
         return out
 
+    def build(self, **kwargs: Any) -> nn.Module:
+        """Upstream's build; on the meta device the audio tower's sinusoid table (a
+        non-persistent buffer no checkpoint holds) is recomputed for real, so lmms_parallel's
+        ``materialize`` restores it instead of refusing an uninitialisable buffer."""
+        model = super().build(**kwargs)
+        pe = self.audio_tower(model).positional_embedding
+        if pe.positional_embedding.is_meta:
+            with torch.device("cpu"):
+                table = pe.compute_default_singular_positional_embedding()
+            pe.positional_embedding = table  # a registered buffer: assignment keeps it one
+        return model
+
     def audio_tower(self, model: nn.Module) -> nn.Module:
         return self.base_model(model).audio_tower
 
@@ -161,7 +173,7 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
 
     def merge_media(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """Vision through the Qwen-VL host merge, then the audio tower's features at the audio
-        placeholders. Under torch.distributed a tower whose media the pack lacks runs on its
+        placeholders. Under torch.distributed (2+ ranks) a tower whose media the pack lacks runs on its
         dummy input (times zero), always in the order vision, audio: with two towers the
         trainer's single-tower participation hook cannot keep every rank's FSDP collectives in
         the same order, this does."""
@@ -170,7 +182,8 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
         types = rest.get("mm_token_type_ids")
         if types is not None:
             rest["mm_token_type_ids"] = types = types.reshape(-1).cpu()  # host positions
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        dist = torch.distributed
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         out = super().merge_media(model, rest)  # images, videos (if any) -> inputs_embeds
         vision_ran = "inputs_embeds" in out
         if audio["input_features"] is None and not distributed:
