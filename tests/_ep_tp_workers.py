@@ -49,12 +49,22 @@ def _config(name: str, aux: bool) -> dict[str, Any]:
     return spec.tiny_config()
 
 
-def _optimizer(model: nn.Module, kind: str):
+def _optimizer(spec, model: nn.Module, kind: str):
+    """AdamW, or Muon with the experts' [E, m, n] stacks as a `stacked` group (each expert
+    matrix orthogonalised on its own, on the EP rank that holds it; as the trainer does)."""
     if kind == "adamw":
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     from lmms_optim import Muon, build_muon_param_groups
 
-    return Muon(build_muon_param_groups(model, lr=2e-2, adamw_lr=3e-3), lr=2e-2)
+    experts = spec.experts_modules(model) if hasattr(spec, "experts_modules") else []
+    stack_ids = {id(p) for m in experts for p in m.parameters()}
+    groups = build_muon_param_groups(model, lr=2e-2, adamw_lr=3e-3)
+    for g in groups:
+        g["params"] = [p for p in g["params"] if id(p) not in stack_ids]
+    stacks = [p for n, p in model.named_parameters() if id(p) in stack_ids]
+    if stacks:
+        groups.append({"params": stacks, "use_muon": True, "stacked": True, "lr": 2e-2})
+    return Muon([g for g in groups if g["params"]], lr=2e-2)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -96,7 +106,7 @@ def _reference(name, cfg, packs, opt_kind):
     model = spec.build(config=cfg, attn_backend="varlen_sdpa")
     if hasattr(spec, "set_experts"):
         spec.set_experts(model, "grouped")
-    opt = _optimizer(model, opt_kind)
+    opt = _optimizer(spec, model, opt_kind)
     losses, grads1, norms = [], None, []
     for step_packs in packs:
         outs = [spec.packed_forward(model, b) for b in step_packs]
@@ -159,7 +169,7 @@ def run_case(name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", imag
         handles.append(lp.SequenceParallel(spec.sp_slice_module(model), group).install())
     dp_rank = lp.dp_mesh(mesh).get_local_rank()
     dp_group = lp.dp_mesh(mesh).get_group()
-    opt = _optimizer(model, opt_kind)
+    opt = _optimizer(spec, model, opt_kind)
     losses, grads1, norms = [], None, []
     for step_packs in packs:
         batch = step_packs[dp_rank]

@@ -223,3 +223,32 @@ def test_one_rank_fsdp_takes_the_batched_local_path(monkeypatch):
             dist.destroy_process_group()
     for k in expected:
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("adjust_lr", [None, "rms"])
+def test_stacked_group_orthogonalises_each_matrix(adjust_lr):
+    """A `stacked` group ([S, m, n], e.g. MoE experts) == the same S matrices as separate 2-D
+    parameters, bit for bit, over three steps (momentum, NS, per-matrix lr scale)."""
+    gen = torch.Generator().manual_seed(3)
+    stack = torch.nn.Parameter(torch.randn(3, 12, 20, generator=gen))
+    alone = [torch.nn.Parameter(stack.detach()[i].clone()) for i in range(3)]
+    opt_s = lo.Muon([{"params": [stack], "use_muon": True, "stacked": True}], lr=0.05,
+                    adjust_lr=adjust_lr)  # fmt: skip
+    opt_a = lo.Muon([{"params": alone, "use_muon": True}], lr=0.05, adjust_lr=adjust_lr)
+    for _ in range(3):
+        g = torch.randn(3, 12, 20, generator=gen)
+        stack.grad = g.clone()
+        for i, p in enumerate(alone):
+            p.grad = g[i].clone()
+        opt_s.step()
+        opt_a.step()
+    for i, p in enumerate(alone):
+        assert torch.equal(stack.detach()[i], p.detach())
+    # the flag matters: without it the stack is one [3, 240] matrix (another update)
+    one = {}
+    for stacked in (True, False):
+        p = torch.nn.Parameter(torch.zeros(3, 12, 20))
+        p.grad = g.clone()
+        lo.Muon([{"params": [p], "use_muon": True, "stacked": stacked}], lr=0.05).step()
+        one[stacked] = p.detach()
+    assert not torch.allclose(one[True], one[False], atol=1e-3)

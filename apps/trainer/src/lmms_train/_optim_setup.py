@@ -73,19 +73,26 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
         )
     from lmms_optim import Muon
 
-    muon = [p for p, m in zip(stepped, takes_muon, strict=True) if m]
+    # MoE experts [E, m, n]: E matrices, each orthogonalised on its own (Muon's `stacked` group)
+    experts = spec.experts_modules(model) if hasattr(spec, "experts_modules") else []
+    stack_ids = {id(p) for m in experts for p in m.parameters() if p.ndim == 3}
+    is_stack = [id(p) in stack_ids for p in params]
+    muon = [p for p, m, st in zip(stepped, takes_muon, is_stack, strict=True) if m and not st]
+    stacks = [p for p, m, st in zip(stepped, takes_muon, is_stack, strict=True) if m and st]
     adamw = [p for p, m in zip(stepped, takes_muon, strict=True) if not m]
     groups = []
-    if muon:
-        groups.append(
-            {
-                "params": muon,
-                "use_muon": True,
-                "lr": t.muon_learning_rate or t.learning_rate,
-                "momentum": t.muon_momentum,
-                "weight_decay": t.weight_decay,
-            }
-        )
+    for members, stacked in ((muon, False), (stacks, True)):
+        if members:
+            groups.append(
+                {
+                    "params": members,
+                    "use_muon": True,
+                    "stacked": stacked,
+                    "lr": t.muon_learning_rate or t.learning_rate,
+                    "momentum": t.muon_momentum,
+                    "weight_decay": t.weight_decay,
+                }
+            )
     if adamw:
         groups.append(
             {

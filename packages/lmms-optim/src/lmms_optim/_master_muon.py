@@ -72,7 +72,8 @@ class MasterMuon(MasterStep, Muon):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss, scale, params = self._start_step(closure)
-        if not self._use_triton(params) or any(_needs_gather(p) for p in params):
+        stacked = any(g.get("stacked", False) for g in self.param_groups)  # Muon's own path
+        if stacked or not self._use_triton(params) or any(_needs_gather(p) for p in params):
             self._torch_step(params, scale, super().step)
             return loss
         for group in self.param_groups:

@@ -98,7 +98,11 @@ class Muon(Optimizer):
     are flattened to ``[shape[0], -1]``. Same-shaped matrices are orthogonalised together in one
     batched Newton–Schulz call (``ns_method``: ``"auto"`` takes the Gram form, same polynomial
     with fewer FLOPs, for aspect ratios >= 2.5; see :func:`newton_schulz`); FSDP2 DTensor parameters (``Shard(0)``, optionally with
-    ``Replicate`` mesh dims) are gathered to an owner rank per matrix (see ``docs/muon.md``).
+    ``Replicate`` mesh dims) are gathered to an owner rank per matrix (see ``docs/muon.md``),
+    tensor-parallel shards orthogonalised as whole matrices. A group with ``stacked=True`` holds
+    stacks of matrices ``[S, m, n]`` (MoE experts): each ``[m, n]`` is orthogonalised on its own,
+    in the batched local NS with every other matrix of its shape; a rank's shard of a stack
+    (FSDP2 ``Shard(0)``, expert parallelism) holds whole matrices, so nothing is gathered.
     """
 
     def __init__(
@@ -222,6 +226,11 @@ class Muon(Optimizer):
             return
         mu = group["momentum"]
         torch._foreach_lerp_(bufs, gs, 1 - mu)  # M = μM + (1-μ)G
+        if group.get("stacked", False):  # [S, m, n] stacks (MoE experts): S matrices, each whole
+            for p, g, b in zip(ps, gs, bufs):  # on this rank (FSDP2/EP shard whole experts)
+                w = _local(p)
+                local.extend((w[i], g[i], b[i], group) for i in range(w.shape[0]))
+            return
         for p, g, b in zip(ps, gs, bufs):
             if _needs_gather(p):
                 dist.append((p, g.lerp(b, mu) if group["nesterov"] else b, group))
