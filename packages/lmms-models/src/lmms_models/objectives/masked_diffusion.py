@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._spec import IGNORE_INDEX, shift_labels_packed
+from .._spec import IGNORE_INDEX
 from ._base import Objective, ObjectiveContext, ObjectiveOutput, register_objective
-from ._mask_rng import mix31, sample_keys, uniform31
+from ._mask_rng import mix31, sample_keys, segment_ids, uniform31
 
 __all__ = ["MaskedDiffusion", "MaskedDiffusionOptions", "draw_masks", "make_bidirectional"]
 
@@ -166,7 +166,11 @@ class MaskedDiffusion(Objective):
         target = torch.where(masked, labels, torch.full_like(labels, IGNORE_INDEX))
         t_row = t
         if self.options.shift:  # hidden i predicts token i+1 of the same sample
-            target = shift_labels_packed(target, cu)
+            seg = segment_ids(cu, ids.numel())  # [T]
+            same = seg[1:] == seg[:-1]  # [T-1]: i and i+1 in one sample (no host read)
+            shifted = torch.full_like(target, IGNORE_INDEX)
+            shifted[:-1] = torch.where(same, target[1:], IGNORE_INDEX)
+            target = shifted
             t_row = torch.ones_like(t)
             t_row[:-1] = t[1:]
         weight = (target != IGNORE_INDEX) / t_row  # [T] fp64 -> fp32 in the kernel
