@@ -166,6 +166,13 @@ for s in $STAGES; do
       --warmup 4 --records 1500 --case-timeout 330 --tag=-mf16 --cases vl3b_16k_muon vl3b_16k ;;
     muon32) stage train_mf32 450 python3 benchmarks/train/bench_train.py --compile --steps 21 \
       --warmup 4 --records 1500 --case-timeout 275 --tag=-mf32 --cases vl3b_32k_muon vl3b_32k ;;
+    # issue 24: masked diffusion (bidirectional, 1/t) against the causal LM, Qwen3-1.7B shape,
+    # 16k packs, AdamW then Muon, one machine session; GPU tests of the objective first
+    dllm) stage gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-models/tests/test_masked_diffusion.py packages/lmms-kernels/tests/test_flce_triton.py
+      stage train_dllm 440 python3 benchmarks/train/bench_train.py --compile --steps 16 \
+      --warmup 4 --records 1500 --case-timeout 105 --tag=-dllm \
+      --cases qwen3_1p7b_16k qwen3_1p7b_16k_md qwen3_1p7b_16k_muon qwen3_1p7b_16k_md_muon ;;
     *) echo "unknown stage $s" ;;
   esac
 done
