@@ -349,7 +349,39 @@ def s2_cpu_offload(out: Path):
     return {"losses": losses, "ref": ref}
 
 
+def s2_save_fails_on_one_rank(out: Path):
+    """Rank 1's write fails as on a full disk during the second save: every rank raises (none
+    waits at a barrier), the partial .tmp is gone and the first checkpoint is untouched."""
+    import errno
+    from unittest import mock
+
+    model, _ = build_parallel("qwen3", lp.ParallelDims(dp_shard=2))
+    ckpt = lp.Checkpointer(out / "ckpt_fail", keep_last=3)
+    ckpt.save(1, model=model, extra_state={"step": 1})
+    before = sorted(os.listdir(ckpt.path(1)))
+    real = Path.write_bytes
+
+    def full_on_rank1(self, data):
+        if self.name == "extra_rank1.pt":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, data)
+
+    raised = None
+    with mock.patch.object(Path, "write_bytes", full_on_rank1):
+        try:
+            ckpt.save(2, model=model, extra_state={"step": 2})
+        except (OSError, RuntimeError) as exc:
+            raised = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    return {
+        "raised": raised,
+        "left": sorted(os.listdir(out / "ckpt_fail")),
+        "first_intact": sorted(os.listdir(ckpt.path(1))) == before,
+    }
+
+
 SCENARIOS_2 = [
+    ("save_fails_on_one_rank", s2_save_fails_on_one_rank),
     ("cpu_offload", s2_cpu_offload),
     ("reshard_resume", s2_reshard_resume),
     ("resume_muon", s2_resume_muon),

@@ -107,6 +107,15 @@ def test_hf_export_loads_in_transformers(world2):
     assert world2[0]["export_qwen3"]["max_logit_diff"] < 1e-5
 
 
+def test_a_save_failing_on_one_rank_stops_every_rank(world2):
+    r0, r1 = (w["save_fails_on_one_rank"] for w in world2)
+    assert r1["raised"].startswith("OSError: [Errno 28]"), r1
+    assert r0["raised"] == "RuntimeError: checkpoint save failed on rank(s) [1]; " + (
+        r0["raised"].split("; ", 1)[1]
+    ) and r0["raised"].endswith("step_000002.tmp was removed"), r0
+    assert r0["left"] == ["step_000001"] and r0["first_intact"], r0
+
+
 def test_cpu_offload_matches_single_process(world2):
     r = world2[0]["cpu_offload"]
     _close(r["losses"], r["ref"])
