@@ -1,5 +1,5 @@
 """Audio families through the trainer on 2 CPU ranks (gloo): FSDP2 and Ulysses SP equal the
-1-process run. Qwen2-Audio: one rank's data all text next to a rank with audio (the audio tower's
+1-process run. Qwen2-Audio and Aero: one rank's data all text next to a rank with audio (the audio tower's
 dummy input keeps FSDP's collectives in step: no hang, same losses). Qwen2.5-Omni: one rank with
 audio only next to one with images only (each runs the tower it lacks on a dummy input, in the
 same order)."""
@@ -18,7 +18,7 @@ from lmms_train._metrics import read_jsonl
 STEPS = 3
 
 
-@pytest.fixture(scope="module", params=["qwen2_audio", "qwen2_5_omni"])
+@pytest.fixture(scope="module", params=["qwen2_audio", "qwen2_5_omni", "aero"])
 def audio_inputs(request, tmp_path_factory) -> dict[str, str]:
     """Two shards, one unit each: audio records, then text-only (Qwen2-Audio) or image records
     (Qwen2.5-Omni): with 2 slots, slot 1 gets no audio."""
@@ -31,13 +31,13 @@ def audio_inputs(request, tmp_path_factory) -> dict[str, str]:
     data = root / "data"
     data.mkdir()
     (a,) = ld.generate_synthetic_audio(str(root / "a"), 40, seed=0)
-    if family == "qwen2_audio":
+    if family in ("qwen2_audio", "aero"):
         (b,) = ld.generate_synthetic_text(str(root / "b"), 40, seed=0)
     else:
         (b,) = ld.generate_synthetic_vl(str(root / "b"), 40, seed=0)
     shutil.move(a, data / "shard-00000.parquet")
     shutil.move(b, data / "shard-00001.parquet")
-    ld.build_local_processor(str(root / "processor"), family)
+    ld.build_local_processor(str(root / "processor"), "qwen2_audio" if family == "aero" else family)
     return {"family": family, "data": str(data), "processor": str(root / "processor")}
 
 

@@ -18,6 +18,7 @@ FAMILIES = (
     "qwen3_vl_moe",
     "qwen2_audio",
     "qwen2_5_omni",
+    "aero",
 )
 
 
@@ -41,6 +42,7 @@ TINY = {  # each family's tiny CPU example
     "qwen3_vl_moe": "qwen3_vl_moe/tiny_cpu.yaml",
     "qwen2_audio": "qwen2_audio/tiny_cpu.yaml",
     "qwen2_5_omni": "qwen2_5_omni/tiny_cpu.yaml",
+    "aero": "aero/tiny_cpu.yaml",
 }
 
 
@@ -78,4 +80,4 @@ def test_tiny_example_trains(family, tmp_path):
         assert all((r["vision_tokens"] > 0) == vl for r in steps), steps
     columns = set().union(*(pq.read_schema(p).names for p in data.glob("*.parquet")))
     assert ("images" in columns) == (vl or family == "qwen2_5_omni"), columns  # text for text
-    assert ("audios" in columns) == (family in ("qwen2_audio", "qwen2_5_omni")), columns
+    assert ("audios" in columns) == (family in ("qwen2_audio", "qwen2_5_omni", "aero")), columns

@@ -18,7 +18,7 @@ from lmms_models.testing_audio import (
     pack_audio_samples,
 )
 
-AUDIO_FAMILIES = ["qwen2_audio"]
+AUDIO_FAMILIES = ["qwen2_audio", "aero"]
 
 
 def _samples():
@@ -119,7 +119,7 @@ def test_audio_flops_match_module_parameters(name):
     model = spec.build(config=spec.tiny_config(), device="meta")
     ac = model.config.audio_config
     tower = spec.vision_tower(model)
-    proj = sum(p.numel() for p in spec.base_model(model).multi_modal_projector.parameters())
+    proj = sum(p.numel() for p in spec.projector(model).parameters())
     n_conv1 = sum(p.numel() for p in tower.conv1.parameters())
     per_pos = sum(
         p.numel() for n, p in tower.named_parameters() if n.startswith(("conv2", "layers"))
@@ -131,11 +131,9 @@ def test_audio_flops_match_module_parameters(name):
     hidden = model.config.text_config.hidden_size
     assert whisper_encoder_flops(ac, lens, out_hidden=hidden) == pytest.approx(want)
     assert spec.media_flops(model.config, {"audio_feature_lens": lens}) == pytest.approx(want)
-    assert spec.lm_matmul_params(model.config) == sum(
-        p.numel()
-        for n, p in model.named_parameters()
-        if n.startswith(("model.language_model", "lm_head")) and "embed_tokens" not in n
-    )
+    lm = sum(p.numel() for p in spec.text_model(model).parameters())
+    lm += sum(p.numel() for p in spec.lm_head(model).parameters())
+    assert spec.lm_matmul_params(model.config) == lm - spec.embeddings(model)[0].weight.numel()
 
 
 @pytest.mark.parametrize("name", AUDIO_FAMILIES)
@@ -146,11 +144,11 @@ def test_build_meta_and_hooks(name):
     assert len(spec.decoder_blocks(model)) == spec.text_config(model.config).num_hidden_layers
     assert spec.sp_slice_module(model) is spec.text_model(model)
     tower = spec.vision_tower(model)  # the audio tower takes the vision tower's part
-    assert tower is spec.base_model(model).audio_tower
+    assert tower is spec.audio_tower(model)
     assert spec.vision_blocks(model) == list(tower.layers)
     assert len(spec.vision_blocks(model)) == model.config.audio_config.encoder_layers
     assert len(spec.block_classes(model)) == 2
-    assert spec.processor_family == name
+    assert spec.processor_family == "qwen2_audio"  # Aero reads Qwen2-Audio's features
 
 
 def _omni_samples():
@@ -238,3 +236,26 @@ def test_omni_hooks_and_flops():
         p.numel() for k, p in model.named_parameters()
         if k.startswith(("model.language_model", "lm_head")) and "embed_tokens" not in k
     )  # fmt: skip
+
+
+def test_aero_checkpoint_layout_round_trip(tmp_path):
+    """Aero saves and loads with the public checkpoint's parameter names."""
+    from safetensors import safe_open
+
+    spec = get_model_spec("aero")
+    torch.manual_seed(0)
+    model = spec.build(config=spec.tiny_config(), attn_backend="sdpa")
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"audio_tower.conv1.weight", "audio_tower.layers.0.self_attn.q_proj.weight",
+            "audio_modal_projector.linear.weight", "audio_modal_projector.linear.bias",
+            "language_model.model.layers.0.self_attn.q_proj.weight",
+            "language_model.model.embed_tokens.weight", "language_model.lm_head.weight"} <= keys  # fmt: skip
+    assert all(
+        k.split(".")[0] in ("audio_tower", "audio_modal_projector", "language_model") for k in keys
+    )
+    loaded = spec.build(pretrained=str(tmp_path), attn_backend="varlen_sdpa")
+    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+    assert spec.build(pretrained=str(tmp_path), device="meta").language_model.lm_head.weight.is_meta

@@ -18,7 +18,8 @@ FAMILIES = [
     "qwen3_vl_moe",
 ]
 DIFFUSION_FAMILIES = ["sit", "wan"]  # flow matching: tests/test_diffusion_families.py
-AUDIO_FAMILIES = ["qwen2_5_omni", "qwen2_audio"]  # audio towers: tests/test_audio_families.py
+# audio towers: tests/test_audio_families.py
+AUDIO_FAMILIES = ["aero", "qwen2_5_omni", "qwen2_audio"]
 # linear attention (Gated DeltaNet): tests/test_linear_families.py
 LINEAR_FAMILIES = ["fla_gated_deltanet", "qwen3_5", "qwen3_5_moe"]
 

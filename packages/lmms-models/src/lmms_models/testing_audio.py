@@ -144,8 +144,10 @@ def audio_reference_loss_sum(
             "use_cache": False,
         }
         if "ref_features" in s:
-            kwargs["input_features"] = s["ref_features"]
-            kwargs["feature_attention_mask"] = s["ref_mask"]
+            feats, mask = getattr(
+                spec, "reference_audio_keys", ("input_features", "feature_attention_mask")
+            )
+            kwargs[feats], kwargs[mask] = s["ref_features"], s["ref_mask"]
         kwargs.update(s.get("ref_kwargs", {}))
         out = model(**kwargs)
         total = total + out.loss.float() * n

@@ -1,6 +1,7 @@
 """One folder per model family; importing this package registers them all."""
 
 from . import (  # noqa: F401
+    aero,
     fla,
     llava_onevision,
     qwen2,

@@ -87,6 +87,8 @@ class AudioLMSpec(ModelSpec):
 
     media_keys = _AUDIO_KEYS
     host_keys = ("audio_feature_lens", "audio_frames", "mm_token_type_ids")
+    #: the unpacked model's keyword arguments for padded windows and their frame mask (tests)
+    reference_audio_keys = ("input_features", "feature_attention_mask")
 
     def audio_tower(self, model: nn.Module) -> nn.Module:
         return self.base_model(model).audio_tower
