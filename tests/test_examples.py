@@ -20,6 +20,7 @@ FAMILIES = (
     "qwen2_5_omni",
     "aero",
 )
+FAMILIES += ("llava_onevision",)  # anyres images, multi-image, video
 
 
 def test_every_family_has_examples():
@@ -39,6 +40,7 @@ TINY = {  # each family's tiny CPU example
     "qwen3_moe": "qwen3_moe/tiny_cpu.yaml",
     "qwen2_5_vl": "qwen2_5_vl/tiny_cpu_muon.yaml",
     "qwen3_vl": "qwen3_vl/tiny_cpu.yaml",
+    "llava_onevision": "llava_onevision/tiny_cpu.yaml",
     "qwen3_vl_moe": "qwen3_vl_moe/tiny_cpu.yaml",
     "qwen2_audio": "qwen2_audio/tiny_cpu.yaml",
     "qwen2_5_omni": "qwen2_5_omni/tiny_cpu.yaml",
@@ -75,7 +77,7 @@ def test_tiny_example_trains(family, tmp_path):
     assert [r["step"] for r in steps] == [1, 2], rows
     assert all(math.isfinite(r["loss"]) and 0 < r["loss"] < 10 for r in steps), steps
     assert all(r["samples"] > 0 and r["bad_records"] == 0 for r in steps), steps
-    vl = "_vl" in family
+    vl = "_vl" in family or family == "llava_onevision"
     if family != "qwen2_5_omni":  # omni data: image shards and audio shards, packs of either
         assert all((r["vision_tokens"] > 0) == vl for r in steps), steps
     columns = set().union(*(pq.read_schema(p).names for p in data.glob("*.parquet")))

@@ -158,3 +158,16 @@ def test_vision_imbalance_is_max_over_mean():
     env = SimpleNamespace(dp_size=4)
     assert _vision_imbalance(6.0, 12.0, env) == {"perf/vision_flops_imbalance": 2.0}
     assert _vision_imbalance(0.0, 0.0, env) == {}  # no media this step
+
+
+def test_released_processor_settings_match_the_presets():
+    from lmms_data._local_llava import RELEASED_LLAVA
+
+    spec = get_model_spec("llava_onevision")
+    for name in ("0.5b", "7b"):
+        cfg = spec.make_config(spec.preset(name))
+        v = cfg.vision_config
+        assert RELEASED_LLAVA["view"] == v.image_size, name
+        assert RELEASED_LLAVA["num_image_tokens"] == (v.image_size // v.patch_size) ** 2 == 729
+        assert RELEASED_LLAVA["pinpoints"] == cfg.image_grid_pinpoints, name
+        assert RELEASED_LLAVA["vision_aspect_ratio"] == cfg.vision_aspect_ratio, name

@@ -23,8 +23,22 @@ TINY_LLAVA = {
 }
 
 
-def build_local_llava_processor(out_dir: str, *, vocab_size: int = 1024) -> dict[str, Any]:
-    """Write the tiny LLaVA-OneVision processor folder to ``out_dir``; return the token ids."""
+#: the released checkpoints' settings (384 px SigLIP views of 14 px patches, 1..6 tiles a side)
+RELEASED_LLAVA = {
+    "view": 384,
+    "num_image_tokens": 729,
+    "pinpoints": [[384 * a, 384 * b] for a in range(1, 7) for b in range(1, 7)],
+    "vision_aspect_ratio": "anyres_max_9",
+}
+
+
+def build_local_llava_processor(
+    out_dir: str, *, vocab_size: int = 1024, settings: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write a LLaVA-OneVision processor folder with the tiny tokenizer to ``out_dir``; return the
+    token ids. ``settings``: :data:`TINY_LLAVA` (default) or :data:`RELEASED_LLAVA` (views for the
+    ``0.5b`` / ``7b`` presets of lmms_models, e.g. for GPU speed runs with random weights)."""
+    shape = TINY_LLAVA if settings is None else settings
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil,
     )
@@ -38,16 +52,16 @@ def build_local_llava_processor(out_dir: str, *, vocab_size: int = 1024) -> dict
 
     os.makedirs(out_dir, exist_ok=True)
     tok = train_tokenizer(vocab_size, SPECIAL_TOKENS)
-    view = {"height": TINY_LLAVA["view"], "width": TINY_LLAVA["view"]}
+    view = {"height": shape["view"], "width": shape["view"]}
     stats = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
     image_processor = LlavaOnevisionImageProcessorPil(
-        size=view, crop_size=view, image_grid_pinpoints=TINY_LLAVA["pinpoints"], **stats
+        size=view, crop_size=view, image_grid_pinpoints=shape["pinpoints"], **stats
     )
     settings = {
         "image_token": "<|image_pad|>",
         "video_token": "<|video_pad|>",
-        "num_image_tokens": TINY_LLAVA["num_image_tokens"],
-        "vision_aspect_ratio": TINY_LLAVA["vision_aspect_ratio"],
+        "num_image_tokens": shape["num_image_tokens"],
+        "vision_aspect_ratio": shape["vision_aspect_ratio"],
         "vision_feature_select_strategy": "full",
     }
     if _has_torchvision():
