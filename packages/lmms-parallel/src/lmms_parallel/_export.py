@@ -23,11 +23,28 @@ __all__ = ["export_hf", "gather_full_state_dict"]
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU state dict on rank 0, ``{}`` on the other ranks. Collective."""
+    """Full (unsharded) CPU state dict on rank 0, ``{}`` on the other ranks. Collective.
+
+    Tensor-parallel and FSDP2 DTensors are gathered by DCP's state-dict helpers; expert-parallel
+    slices (``lmms_parallel.ExpertParallel``) are all-gathered over their EP group into the whole
+    ``[E, ...]`` tensors, so the result loads into the single-device upstream model."""
     if not dist.is_initialized():
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from ._ep import ep_params
+
+    experts: dict[str, torch.Tensor] = {}
+    for fqn, module, name, st in ep_params(model):  # same order on every rank
+        p = getattr(module, name).detach()
+        local = p.full_tensor() if hasattr(p, "full_tensor") else p  # this rank's experts
+        parts = [torch.empty_like(local) for _ in range(st.size)]
+        dist.all_gather(parts, local.contiguous(), group=st.group)
+        if dist.get_rank() == 0:
+            experts[fqn] = torch.cat(parts).cpu()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    full = get_model_state_dict(model, options=options)
+    if dist.get_rank() == 0:
+        full.update(experts)
+    return full
 
 
 def export_hf(
