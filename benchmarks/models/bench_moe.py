@@ -9,7 +9,9 @@ and ``lmms_loop`` (its plain-torch reference). TFLOP/s count the active expert m
 (``6 · tokens · k · 3 · H · I``).
 
 Training (default): the ``30b_a3b`` preset with ``--layers`` decoder layers (as many as fit one
-H200 with fp32 master weights and AdamW state; the full 48 do not), random weights, packed
+H200 with fp32 master weights and AdamW state, ~16 bytes per parameter: a layer holds ~0.63B
+parameters, so 6 layers plus embeddings, head and tower are ~4.7B, ~75 GiB before activations;
+the full 48 do not fit), random weights, packed
 ``--T`` tokens, the dense VL benchmark's image mix (benchmarks/train/bench_records.py: 224-672 px
 images, long-tailed text), router aux loss on, through the real CLI. Cases differ only in
 ``trainer_args.experts_backend`` (and the attention backend for the upstream rows). MFU is the
@@ -18,7 +20,7 @@ attention and the vision tower, against 989 TFLOP/s. Liger is not applied to thi
 patch table does not know Qwen3-VL-MoE); "upstream" rows use transformers' eager experts.
 
     python benchmarks/models/bench_moe.py --kernel                  # ~1 min
-    python benchmarks/models/bench_moe.py --layers 10 --T 16384     # ~10 min
+    python benchmarks/models/bench_moe.py --layers 6 --T 16384      # ~10 min
     python benchmarks/models/bench_moe.py --kernel --cpu --tokens 256 --shape 64 32 8 2  # CPU check
 """
 
@@ -191,7 +193,7 @@ def main() -> None:
     p.add_argument("--impls", nargs="+", default=list(KERNEL_IMPLS), choices=KERNEL_IMPLS)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--layers", type=int, default=10, help="decoder layers of the 30B-A3B shape")
+    p.add_argument("--layers", type=int, default=6, help="decoder layers of the 30B-A3B shape")
     p.add_argument("--T", type=int, default=16384, help="packing length")
     p.add_argument("--ac", default="full", choices=["none", "full", "selective"])
     p.add_argument("--steps", type=int, default=10)
