@@ -8,8 +8,14 @@ import pytest
 from lmms_kernels import LIGER_FAMILIES
 from lmms_models import DiffusionSpec, get_model_spec, list_models
 
-# Diffusion transformers (sit, wan) have no RMSNorm/SwiGLU for Liger: the trainer skips it.
-LM_FAMILIES = [f for f in list_models() if not isinstance(get_model_spec(f), DiffusionSpec)]
+# Diffusion transformers (sit, wan) have no RMSNorm/SwiGLU for Liger, and specs that say
+# supports_liger = False (bagel: its own modules) are skipped by the trainer too.
+LM_FAMILIES = [
+    f
+    for f in list_models()
+    if not isinstance(get_model_spec(f), DiffusionSpec)
+    and getattr(get_model_spec(f), "supports_liger", True)
+]
 
 
 @pytest.mark.parametrize("family", LM_FAMILIES)

@@ -22,10 +22,13 @@ DIFFUSION_FAMILIES = ["sit", "wan"]  # flow matching: tests/test_diffusion_famil
 AUDIO_FAMILIES = ["aero", "qwen2_5_omni", "qwen2_audio"]
 # linear attention (Gated DeltaNet): tests/test_linear_families.py
 LINEAR_FAMILIES = ["fla_gated_deltanet", "qwen3_5", "qwen3_5_moe"]
+UNIFIED_FAMILIES = ["bagel"]  # own module, CE + flow matching: tests/test_bagel.py
 
 
 def test_registry_lists_families_and_refuses_duplicates():
-    assert list_models() == sorted(FAMILIES + DIFFUSION_FAMILIES + AUDIO_FAMILIES + LINEAR_FAMILIES)
+    assert list_models() == sorted(
+        FAMILIES + DIFFUSION_FAMILIES + AUDIO_FAMILIES + LINEAR_FAMILIES + UNIFIED_FAMILIES
+    )
     with pytest.raises(ValueError, match="already registered"):
         register_model("qwen2")(type("Dup", (ModelSpec,), {}))
     with pytest.raises(KeyError, match=r"Did you mean 'qwen2_5_vl'.*Registered: .*qwen2, qwen2_5"):

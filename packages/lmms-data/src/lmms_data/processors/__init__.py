@@ -5,6 +5,7 @@ from lmms_data.processors._audio import (
     Qwen2AudioDataProcessor,
     audio_output_lengths,
 )
+from lmms_data.processors._bagel import BagelDataProcessor
 from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
 from lmms_data.processors._llava_onevision import LlavaOnevisionDataProcessor, anyres_image_tokens
 from lmms_data.processors._mrope import mrope_positions
@@ -21,6 +22,7 @@ __all__ = [
     "AUDIO_TYPE_ID",
     "IGNORE_INDEX",
     "TEXT_FAMILIES",
+    "BagelDataProcessor",
     "LlavaOnevisionDataProcessor",
     "Qwen2AudioDataProcessor",
     "Qwen2_5OmniDataProcessor",

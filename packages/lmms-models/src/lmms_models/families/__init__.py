@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401
     aero,
+    bagel,
     fla,
     llava_onevision,
     qwen2,

@@ -16,6 +16,7 @@ from ._base import (
     register_objective,
 )
 from .causal_lm import CausalLM
+from .ce_flow_matching import CeFlowMatching, CeFlowMatchingOptions
 from .diffusion_sampler import SampleResult, diffusion_generate
 from .dllm_checkpoints import (
     DLLM_LAYOUTS,
@@ -37,6 +38,8 @@ __all__ = [
     "DLLM_LAYOUTS",
     "OBJECTIVE_REGISTRY",
     "CausalLM",
+    "CeFlowMatching",
+    "CeFlowMatchingOptions",
     "DllmCheckpoint",
     "DllmLayout",
     "FlowMatching",
