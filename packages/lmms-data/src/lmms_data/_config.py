@@ -34,6 +34,9 @@ class DatasetConfig:
     packing_strategy: str = "first_fit"
     packing_length: int = 4096
     max_open_bins: int = 8
+    # at most this many vision tokens per pack (a second packing budget): vision work per pack,
+    # and so per data-parallel rank, stays bounded; None = no limit
+    max_vision_tokens_per_pack: int | None = None
     bad_record_policy: str = "skip"
     max_bad_record_ratio: float = 0.1  # abort when bad/seen exceeds this ...
     min_records_for_ratio: int = 200  # ... once at least this many records were seen
@@ -62,6 +65,8 @@ class DatasetConfig:
             )
         if self.packing_length <= 0 or self.max_open_bins <= 0:
             raise ValueError("packing_length and max_open_bins must be positive")
+        if self.max_vision_tokens_per_pack is not None and self.max_vision_tokens_per_pack <= 0:
+            raise ValueError("max_vision_tokens_per_pack must be positive (or unset)")
         if self.mixture_weights is not None:
             n = len(self.paths)
             if len(self.mixture_weights) != n or any(w < 0 for w in self.mixture_weights):

@@ -104,7 +104,9 @@ class SlotStream:
         self.samples: dict[Ref, dict[str, Any]] = {}
         self.stats = BadRecordStats()
         self.adapter = DATASET_REGISTRY.get(cfg.dataset_type)
-        self.packer = StreamPacker(cfg.packing_length, cfg.packing_strategy, cfg.max_open_bins)
+        self.vision_budget = cfg.max_vision_tokens_per_pack
+        self.packer = StreamPacker(cfg.packing_length, cfg.packing_strategy, cfg.max_open_bins,
+                                   budget_capacity=self.vision_budget)  # fmt: skip
         self.batches = 0
 
     # ---- records -----------------------------------------------------------------------------
@@ -194,7 +196,11 @@ class SlotStream:
                     ) from None
                 continue
             self.samples[ref] = sample
-            yield [*ref, int(sample["length"])]
+            if self.vision_budget is None:
+                yield [*ref, int(sample["length"])]
+            else:  # a sample over the budget takes a whole pack's vision budget (not an error)
+                vision = min(int(sample.get("vision_tokens", 0)), self.vision_budget)
+                yield [*ref, int(sample["length"]), vision]
 
     # ---- batches -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -205,7 +211,9 @@ class SlotStream:
                     [self.samples.pop(tuple(it[:4]))], as_torch=self.as_torch
                 )
             return
-        for pack in self.packer.pack(self._items(), length=lambda it: it[4], flush=True):
+        budget = None if self.vision_budget is None else (lambda it: it[5])
+        for pack in self.packer.pack(self._items(), length=lambda it: it[4], budget=budget,
+                                     flush=True):  # fmt: skip
             samples = [self.samples.pop(tuple(it[:4])) for it in pack]
             self.batches += 1
             yield collate_packed_batch(samples, as_torch=self.as_torch)

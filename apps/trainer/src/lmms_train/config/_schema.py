@@ -154,6 +154,12 @@ class DatasetConfig:
     max_open_bins: int = _f(
         8, "Open bins kept by the streaming packer (memory O(bins), never O(dataset))."
     )
+    max_vision_tokens_per_pack: int | None = _f(
+        None,
+        "At most this many vision tokens per pack (a second packing budget; a sample over it "
+        "takes a pack's whole budget): every data-parallel rank's vision work per pack stays "
+        "bounded, see the metric `perf/vision_flops_imbalance`. Unset: no limit.",
+    )
     bad_record_policy: str = _f(
         "skip",
         "Unreadable/invalid/too long records: `skip` (counted, reported) or `raise` (stop at the "
