@@ -36,7 +36,7 @@ def test_sit_resume_is_bitwise_and_render_draws_a_grid(tmp_path: Path) -> None:
 
     from lmms_train.cli import main
 
-    small = ("dataset_config.extra.batch_size=8",)
+    small = ("dataset_config.extra.batch_size=8", "trainer_args.ema_decay=0.9")
     train(_cfg("sit/tiny_cpu.yaml", tmp_path, "straight", "trainer_args.max_steps=4",
                "trainer_args.save_steps=0", *small))  # fmt: skip
     train(_cfg("sit/tiny_cpu.yaml", tmp_path, "resumed", "trainer_args.max_steps=2",
@@ -49,10 +49,40 @@ def test_sit_resume_is_bitwise_and_render_draws_a_grid(tmp_path: Path) -> None:
         json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
     ]
     assert any(k.startswith("loss_t/") for k in rows[-1]), rows[-1]  # loss per noise-level bucket
+    from safetensors.torch import load_file
+
+    ema = [
+        load_file(str(tmp_path / r / "hf_ema" / "model.safetensors"))
+        for r in ("straight", "resumed")
+    ]
+    raw = load_file(str(tmp_path / "straight" / "hf" / "model.safetensors"))
+    assert all(ema[0][k].equal(ema[1][k]) for k in raw)  # EMA resumed bit for bit
+    assert any(not ema[0][k].equal(raw[k]) for k in raw)
     grid = tmp_path / "grid.png"
     assert main(["render", str(tmp_path / "straight" / "hf"), "--out", str(grid), "--steps", "2",
                  "--per-class", "2", "--method", "heun", "--guidance", "2"]) == 0  # fmt: skip
     assert Image.open(grid).size == (2 * 16 * 4, 4 * 16 * 4)  # 4 classes x 2, upscaled x4
+
+
+def test_ema_is_the_average_of_the_optimizer_steps() -> None:
+    import torch
+
+    from lmms_train._ema import ema_weights, install_ema
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = torch.optim.SGD([p], lr=0.5)
+    install_ema(opt, 0.8)
+    want = None
+    for i in range(4):
+        p.grad = torch.tensor([1.0, float(i)])
+        opt.step()
+        want = p.detach().clone() if want is None else 0.8 * want + 0.2 * p.detach()
+    torch.testing.assert_close(opt.state[p]["lmms_ema"], want)
+    before = p.detach().clone()
+    with ema_weights(opt) as n:
+        assert n == 1 and torch.equal(p.detach(), opt.state[p]["lmms_ema"])
+    assert torch.equal(p.detach(), before)
+    assert "lmms_ema" in opt.state_dict()["state"][0]  # saved and loaded with the optimizer
 
 
 def test_wan_on_the_fly_render_precompute_and_train_from_shards(tmp_path: Path) -> None:

@@ -147,6 +147,10 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
     seed_everything(t.seed)
     built = build_model(cfg, env, spec, token_ids)
     optimizer = build_optimizer(built.model, spec, t, built.master)
+    if t.ema_decay is not None:  # EMA of the weights, in the optimizer's state (_ema)
+        from lmms_train._ema import install_ema
+
+        install_ema(optimizer, t.ema_decay)
     scheduler = build_schedule(optimizer, t)
     state = TrainState()
     seed_everything(t.seed + 1000 * env.rank)  # per-rank streams (dropout etc.) after the init
@@ -225,6 +229,12 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
 
         export_run(built.model, out / "hf", weights=built.state_module,
                    processor_path=_processor_path(cfg), dtype=t.export_dtype)  # fmt: skip
+        if t.ema_decay is not None:  # the EMA weights, same layout
+            from lmms_train._ema import ema_weights
+
+            with ema_weights(optimizer):
+                export_run(built.model, out / "hf_ema", weights=built.state_module,
+                           processor_path=_processor_path(cfg), dtype=t.export_dtype)  # fmt: skip
     if env.is_main:
         _plot_quietly(out)
         summary = end_summary(out=out, steps=state.step, max_steps=t.max_steps,

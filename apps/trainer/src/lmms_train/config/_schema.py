@@ -226,6 +226,12 @@ class TrainerArgs:
     adam_beta2: float = _f(0.999, "AdamW beta2.")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this (0 disables clipping).")
+    ema_decay: float | None = _f(
+        None,
+        "Keep an exponential moving average of the weights with this decay (e.g. 0.9999; "
+        "null: none). Sharded like the weights, saved and resumed with the optimizer state, "
+        "exported to `<output_dir>/hf_ema/` next to `hf/`.",
+    )
     fused_master_step: bool = _f(
         True,
         "AdamW on one process with fp32 masters: clip, update and bf16 write-back in one Triton "
