@@ -21,6 +21,7 @@ FAMILIES = (
     "aero",
 )
 FAMILIES += ("llava_onevision",)  # anyres images, multi-image, video
+FAMILIES += ("qwen3_5", "qwen3_5_moe", "fla_gated_deltanet")  # linear attention (Gated DeltaNet)
 
 
 def test_every_family_has_examples():
@@ -45,6 +46,9 @@ TINY = {  # each family's tiny CPU example
     "qwen2_audio": "qwen2_audio/tiny_cpu.yaml",
     "qwen2_5_omni": "qwen2_5_omni/tiny_cpu.yaml",
     "aero": "aero/tiny_cpu.yaml",
+    "qwen3_5": "qwen3_5/tiny_cpu.yaml",
+    "qwen3_5_moe": "qwen3_5_moe/tiny_cpu.yaml",
+    "fla_gated_deltanet": "fla_gated_deltanet/tiny_cpu.yaml",
 }
 
 
@@ -77,7 +81,7 @@ def test_tiny_example_trains(family, tmp_path):
     assert [r["step"] for r in steps] == [1, 2], rows
     assert all(math.isfinite(r["loss"]) and 0 < r["loss"] < 10 for r in steps), steps
     assert all(r["samples"] > 0 and r["bad_records"] == 0 for r in steps), steps
-    vl = "_vl" in family or family == "llava_onevision"
+    vl = "_vl" in family or family in ("llava_onevision", "qwen3_5", "qwen3_5_moe")
     if family != "qwen2_5_omni":  # omni data: image shards and audio shards, packs of either
         assert all((r["vision_tokens"] > 0) == vl for r in steps), steps
     columns = set().union(*(pq.read_schema(p).names for p in data.glob("*.parquet")))

@@ -28,7 +28,13 @@ from ..._registry import register_model
 from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny
 from ..qwen3_vl import Qwen3VLSpec
 
-__all__ = ["Qwen3_5Spec", "hybrid_lm_matmul_params", "no_mask_preparation", "tiny_qwen3_5"]
+__all__ = [
+    "QWEN3_5_2B",
+    "Qwen3_5Spec",
+    "hybrid_lm_matmul_params",
+    "no_mask_preparation",
+    "tiny_qwen3_5",
+]
 
 _TINY_TEXT: dict[str, Any] = {
     "vocab_size": 1024,
@@ -167,11 +173,48 @@ class HybridQwenMixin(LinearAttentionMixin):
         )
 
 
+#: A ~2B Qwen3.5-shaped model (random weights; benchmarks and GPU examples): 24 decoder layers,
+#: three Gated DeltaNet layers (16 key / 16 value heads of 128) to one gated softmax layer (8
+#: heads of 256, 2 KV heads), width 2048, SwiGLU 6144, Qwen3.5's 248k vocabulary (tied), and the
+#: default 27-layer vision tower. The shape follows the family's published proportions; it is not
+#: a released checkpoint's config. ~1.9B parameters in the decoder with its embedding.
+QWEN3_5_2B: dict[str, Any] = {
+    "text_config": {
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 24,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "use_cache": False,
+    },
+    "vision_config": {"out_hidden_size": 2048},
+    "tie_word_embeddings": True,
+}
+QWEN3_5_2B["text_config"]["layer_types"] *= 6
+
+
 @register_model("qwen3_5")
 class Qwen3_5Spec(HybridQwenMixin, Qwen3VLSpec):
     processor_family = "qwen3_vl"  # the released checkpoints ship Qwen3-VL's processor
     config_class = "Qwen3_5Config"
     model_class = "Qwen3_5ForConditionalGeneration"
+    presets = {"2b": QWEN3_5_2B}  # noqa: RUF012 (read-only class table)
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         return tiny_qwen3_5(**overrides)
