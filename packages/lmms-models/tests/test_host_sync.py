@@ -20,7 +20,7 @@ from lmms_models import get_model_spec
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _sync import DeviceReads, device_tensors
-from test_packed_parity import TEXT_FAMILIES, VL_FAMILIES, tiny_pack
+from test_packed_parity import MEDIA_FAMILIES, TEXT_FAMILIES, tiny_pack
 
 
 def _step_reads(name: str, **spec_attrs) -> list[str]:
@@ -36,7 +36,7 @@ def _step_reads(name: str, **spec_attrs) -> list[str]:
     return rec.reads
 
 
-@pytest.mark.parametrize("name", TEXT_FAMILIES + VL_FAMILIES)
+@pytest.mark.parametrize("name", TEXT_FAMILIES + MEDIA_FAMILIES)
 def test_packed_step_reads_nothing_from_the_device(name):
     spec = get_model_spec(name)
     if spec.position_rows > 1 and not spec.host_keys:
