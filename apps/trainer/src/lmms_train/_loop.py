@@ -70,7 +70,7 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
     peak_flops: float = 1.0
     stop_requested: bool = False
-    stopped: bool = False  # the loop ended early on SIGTERM, after saving
+    stopped: bool = False  # the loop ended before max_steps on SIGTERM, after saving
     guard: DivergenceGuard = field(default_factory=DivergenceGuard)  # non-finite values, flat runs
     slow_steps: SlowSteps = field(default_factory=SlowSteps)  # names one-off stalls on stderr
 
@@ -322,7 +322,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             if periodic or final or stop:  # the loader's position after this step's packs
                 _save(run, upcoming.data_state if upcoming else run.data.state_dict())
             if stop:
-                run.stopped = True
+                run.stopped = step < t.max_steps  # in the last step: finished, not stopped
                 if env.is_main:
                     print(
                         f"[lmms-train] SIGTERM: saved step {step} and stopped",
