@@ -132,7 +132,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
     for key, value in data.items():
         dotted = f"{where}.{key}" if where else str(key)
         if key not in names:
-            _report(f"unknown key {dotted!r}{suggest(key, names)}; valid keys: {', '.join(names)}")
+            hint = suggest(key, names) or f"; valid keys: {', '.join(names)}"  # list if no match
+            _report(f"unknown key {dotted!r}{hint}")
             continue
         try:
             kwargs[key] = _coerce(value, hints[key], dotted)
