@@ -134,7 +134,13 @@ def make_forward(
             spec.install_sp(model, group)
         else:
             SequenceParallel(spec.sp_slice_module(model), group).install()
-        if split_vision and tower is not None:  # each SP rank encodes a share of the media
+        # each SP rank encodes a share of the media, for families that say how to split their
+        # tower's work (audio towers do not: their output rows are not proportional to input
+        # rows; the tower then runs whole on every SP rank, as before the split)
+        from lmms_models import ModelSpec
+
+        splits = type(spec).vision_split_plan is not ModelSpec.vision_split_plan
+        if split_vision and tower is not None and splits:
             from lmms_models import SplitVision
 
             SplitVision(spec, model, group).install()
