@@ -49,6 +49,7 @@ def test_sit_resume_is_bitwise_and_render_draws_a_grid(tmp_path: Path) -> None:
         json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()
     ]
     assert any(k.startswith("loss_t/") for k in rows[-1]), rows[-1]  # loss per noise-level bucket
+    assert (tmp_path / "straight" / "metrics.png").is_file()  # with the loss_t panel
     from safetensors.torch import load_file
 
     ema = [

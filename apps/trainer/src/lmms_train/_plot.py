@@ -15,8 +15,20 @@ _PANELS = (
     ("grad_norm", "gradient norm", ("grad_norm",)),
     ("mfu", "MFU", ("mfu", "mfu_lm")),
     ("throughput", "tokens / s", ("tokens_per_sec",)),
+    ("loss_t", "loss per noise level (flow matching)", ("loss_t/*",)),
 )
 _COLS = 3
+
+
+def _expand(keys: tuple[str, ...], records: list[dict]) -> list[str]:
+    """Keys with a trailing `*` stand for every metric with that prefix (sorted)."""
+    out: list[str] = []
+    for key in keys:
+        if key.endswith("*"):
+            out += sorted({k for r in records for k in r if k.startswith(key[:-1])})
+        else:
+            out.append(key)
+    return out
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -41,11 +53,14 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for ax in axes[len(_PANELS) :]:
         ax.set_visible(False)
     for ax, (_, title, keys) in zip(axes, _PANELS, strict=False):
-        for key in keys:
+        for key in _expand(keys, records):
             pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), int | float)]
             if pts:
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker="o" if key == "eval_loss" else None, ms=3, label=key)
+        if not ax.lines:  # e.g. no flow-matching buckets in a language-model run
+            ax.set_visible(False)
+            continue
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
