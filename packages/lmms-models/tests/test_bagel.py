@@ -203,3 +203,20 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
         assert "error" not in got, got.get("error")
         assert got["loss"] == pytest.approx(got["loss_1proc"], rel=1e-5), rank
         assert got["worst"] < 1e-4, (rank, got["worst"])
+
+
+@pytest.mark.gpu
+def test_flex_block_mask_gradients_equal_sdpa_on_gpu():
+    """Compiled FlexAttention (block-sparse span mask over the whole row) == per-sample SDPA on a
+    CUDA device, loss and gradients, for the mixed pack."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from lmms_models.families.bagel import batch_to
+
+    spec, model = cases.tiny_model()
+    model = model.cuda()
+    a_loss, _, a = cases.loss_grads(spec, model, batch_to(cases.pack(cases.PACKS["mixed"]), "cuda"))
+    flex = batch_to(cases.pack(cases.PACKS["mixed"], backend="flex"), "cuda")
+    b_loss, _, b = cases.loss_grads(spec, model, flex)
+    assert b_loss == pytest.approx(a_loss, rel=1e-4)
+    assert cases.worst(a, b) < 1e-3
