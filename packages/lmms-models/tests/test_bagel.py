@@ -82,6 +82,40 @@ def test_packed_equals_unpacked(tiny, kind):
             assert any(key in n and float(g.abs().sum()) > 0 for n, g in grads.items()), key
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_per_mot_layer_is_exact(mode):
+    """lmms_parallel's AC on every MoT decoder layer and ViT layer: same loss and gradients."""
+    from lmms_parallel import apply_activation_checkpointing
+
+    spec, model = cases.tiny_model()
+    batch = cases.pack(cases.PACKS["mixed"])
+    ref_loss, _, ref = cases.loss_grads(spec, model, batch)
+    blocks = spec.decoder_blocks(model) + spec.vision_blocks(model)
+    handle = apply_activation_checkpointing(blocks, mode)
+    assert len(handle.blocks) == 4
+    loss, _, grads = cases.loss_grads(spec, model, cases.pack(cases.PACKS["mixed"]))
+    assert loss == pytest.approx(ref_loss, rel=1e-6)
+    assert cases.worst(ref, grads) < 1e-5
+
+
+def test_mot_flops_count_one_expert_per_token(tiny):
+    """The per-token matmul parameters of mot_flops are one expert's share of a decoder layer."""
+    spec, model = tiny
+    conf = spec.tiny_config()
+    layer = spec.decoder_blocks(model)[0]
+    one_expert = sum(
+        p.numel() for n, p in layer.named_parameters()
+        if "moe_gen" not in n and p.dim() == 2  # matmul weights of the understanding set
+    )  # fmt: skip
+    batch = cases.pack(["text"])  # text only: no ViT / VAE terms
+    t, n_ce = batch["input_ids"].numel(), batch["num_ce_tokens"]
+    cfg = spec.make_config(conf)
+    h, v, layers = cfg.llm.hidden_size, cfg.llm.vocab_size, cfg.llm.num_hidden_layers
+    pairs = t * (t + 1) // 2
+    expected = 6.0 * layers * one_expert * t + 6.0 * h * v * n_ce + 12.0 * layers * h * pairs
+    assert spec.mot_flops(conf, batch) == pytest.approx(expected)
+
+
 def test_flex_block_mask_equals_per_sample_sdpa(tiny):
     """FlexAttention on CPU runs forward only (no CPU backward in torch): values here, gradients in
     the GPU test."""
