@@ -18,7 +18,9 @@ def _backends():
     return [b for b in lmms_kernels.available_backends() if b in ("fa4", "fa", "torch", "flex")]
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize(
+    "name", ["qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+)
 def test_packed_matches_unpacked_on_gpu(name):
     spec = get_model_spec(name)
     torch.manual_seed(0)
