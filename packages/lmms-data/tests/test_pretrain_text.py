@@ -53,3 +53,10 @@ def test_text_corpus_packs_through_the_loader(proc, tmp_path):
         cu = b["cu_seqlens"].tolist()
         for e in cu[1 : int(b["num_samples"]) + 1]:
             assert int(b["input_ids"][e - 1]) == proc["eos_token_id"]  # each document ends in EOS
+
+
+def test_local_processor_folder_for_text_pretrain(tmp_path):
+    info = ld.build_local_processor(str(tmp_path / "p"), "text_pretrain")
+    p = ld.build_processor("text_pretrain", info["path"])
+    s = p([{"role": "assistant", "content": [{"type": "text", "text": "a b"}]}])
+    assert int(s["input_ids"][-1]) == info["eos_token_id"]

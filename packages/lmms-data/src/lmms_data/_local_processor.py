@@ -89,6 +89,8 @@ def build_local_processor(
     """
     from lmms_data._local_audio import AUDIO_FAMILIES, build_local_audio_processor
 
+    if family == "text_pretrain":  # plain-text pretraining: the text families' tokenizer folder
+        family = "qwen3"
     if family in AUDIO_FAMILIES:
         return build_local_audio_processor(out_dir, family, vocab_size=vocab_size)
     if family == "llava_onevision":
