@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -26,8 +27,10 @@ def load_image(src: bytes | str) -> Image.Image:
 @dataclass(kw_only=True, slots=True)
 class VideoFrames:
     frames: np.ndarray  # [T, H, W, 3] uint8
-    indices: np.ndarray  # [T] frame index in the source video
+    indices: np.ndarray  # [T] frame index in the source video (its timestamp x ``fps``)
     fps: float  # source frame rate
+    times: np.ndarray | None = None  # [T] seconds from the stream's start (the frames' own pts)
+    decoded: int = 0  # frames the decoder produced to get these (seeks skip the rest)
 
 
 def sample_indices(
@@ -41,38 +44,95 @@ def sample_indices(
     return np.linspace(0, total - 1, n).round().astype(np.int64)
 
 
+def _frame_count(container: Any, stream: Any, native: float) -> int:
+    """Frames in the stream: the header's count, else the packets counted by demuxing only (no
+    decoding; Matroska/WebM headers often carry no count), else duration x rate."""
+    if stream.frames:
+        return int(stream.frames)
+    n = sum(1 for p in container.demux(stream) if p.size)  # the flush packet has size 0
+    if n:
+        return n
+    if stream.duration is not None:
+        return max(1, round(float(stream.duration * stream.time_base) * native))
+    return 0
+
+
+def _seek_decode(
+    container: Any, stream: Any, want: list[int], native: float
+) -> tuple[dict[int, tuple[int, float, np.ndarray]], int]:
+    """Decode only the frames at the sorted indices ``want``: before a target more than one
+    keyframe interval (the longest seen so far, at least one second) past the last decoded frame,
+    seek to the keyframe at or before it and decode forward to it; closer targets are reached by
+    decoding on. A target
+    without a frame of its own (variable rate) takes the nearest one. Holds at most the sampled
+    frames and two decoded ones. Returns {target: (index, seconds, rgb)} and the frames decoded.
+    """
+    tb, start = float(stream.time_base), int(stream.start_time or 0)
+    out: dict[int, tuple[int, float, np.ndarray]] = {}
+    frames: Any = None  # the decode iterator since the last seek
+    prev = cur = None  # (index, seconds, frame): the last two frames pulled from it
+    gop, last_key, n_decoded = 0, None, 0
+    for t in want:
+        pos = cur[0] if cur is not None else -1
+        if frames is None or t - pos > max(gop, native):
+            container.seek(start + int(t / native / tb), stream=stream, backward=True)
+            frames, prev, cur, last_key = container.decode(stream), None, None, None
+        while cur is None or cur[0] < t:
+            f = next(frames, None)
+            if f is None:
+                break
+            if f.pts is None:
+                raise BadRecordError("bad_video", "a video frame has no timestamp")
+            n_decoded += 1
+            sec = (f.pts - start) * tb
+            i = round(sec * native)
+            if f.key_frame:  # no keyframe between two seen ones, nor between a seek's and t
+                span = i - last_key if last_key is not None else t - i
+                gop, last_key = max(gop, span), i
+            prev, cur = cur, (i, sec, f)
+        if cur is not None and cur[0] >= t:
+            pick = prev if prev is not None and t - prev[0] < cur[0] - t else cur
+        elif cur is not None and t - cur[0] <= 2:  # the header counted a frame or two too many
+            pick = cur
+        else:
+            got = "no frame" if cur is None else f"the last frame is {cur[0]}"
+            raise BadRecordError("bad_video", f"video has no frame {t}: {got}")
+        out[t] = (pick[0], pick[1], pick[2].to_ndarray(format="rgb24"))
+    return out, n_decoded
+
+
 def decode_video(
     src: bytes | str, *, fps: float, max_frames: int, multiple: int = 2
 ) -> VideoFrames:
+    """Sample ``fps`` frames per second (at most ``max_frames``, a multiple of ``multiple``) with
+    :func:`sample_indices` and decode only those (seek + decode forward; see
+    :func:`_seek_decode`): memory and decode time follow the number of sampled frames, not the
+    video's length, so hour-long files are fine in loader workers."""
     try:
         import av
     except ImportError:
         raise ImportError("video needs PyAV: pip install 'lmms-data[video]'") from None
+    where = "<bytes>" if isinstance(src, bytes) else src
     try:
         with av.open(io.BytesIO(src) if isinstance(src, bytes) else src) as container:
             stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
             native = float(stream.average_rate or stream.guessed_rate or 24)
-            total = int(stream.frames or 0)
-            # known length: keep only the sampled frames while decoding (bounded memory)
-            want = (
-                set(sample_indices(total, native, fps, max_frames, multiple).tolist())
-                if total
-                else None
-            )
-            decoded = {}
-            for i, f in enumerate(container.decode(stream)):
-                if want is None or i in want:
-                    decoded[i] = f.to_ndarray(format="rgb24")
-            n = i + 1 if decoded else 0
+            total = _frame_count(container, stream, native)
+            if total <= 0:
+                raise BadRecordError("bad_video", f"video {where} has no frames")
+            idx = sample_indices(total, native, fps, max_frames, multiple)
+            got, n_decoded = _seek_decode(container, stream, sorted(set(idx.tolist())), native)
     except (av.error.FFmpegError, OSError, ValueError, IndexError) as e:
-        where = "<bytes>" if isinstance(src, bytes) else src
         raise BadRecordError("bad_video", f"cannot decode video {where}: {e}") from None
-    if not decoded:
-        raise BadRecordError("bad_video", "video has no frames")
-    idx = sample_indices(n, native, fps, max_frames, multiple)
-    if any(i not in decoded for i in idx.tolist()):  # header frame count was wrong
-        raise BadRecordError("bad_video", f"video header says {total} frames, decoded {n}")
-    return VideoFrames(frames=np.stack([decoded[i] for i in idx.tolist()]), indices=idx, fps=native)
+    picks = [got[i] for i in idx.tolist()]
+    return VideoFrames(
+        frames=np.stack([p[2] for p in picks]),
+        indices=np.asarray([p[0] for p in picks], dtype=np.int64),
+        fps=native,
+        times=np.asarray([p[1] for p in picks], dtype=np.float64),
+        decoded=n_decoded,
+    )
 
 
 def load_audio(src: bytes | str) -> tuple[np.ndarray, int]:
