@@ -284,13 +284,14 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
     "ep2_vl_adamw": dict(name="qwen3_vl_moe", ep=2),
     "ep2_moe_muon": dict(name="qwen3_moe", ep=2, opt_kind="muon"),
     "ep2_sp2_moe": dict(name="qwen3_moe", ep=2, sp=2),
+    "ep2_qwen3_5_moe": dict(name="qwen3_5_moe", ep=2),  # another family: the same plan, no code
     "tp2_vl_muon": dict(name="qwen3_vl", tp=2, opt_kind="muon"),
     "ep4_moe": dict(name="qwen3_moe", ep=4),
     "fsdp2_ep2_vl": dict(name="qwen3_vl_moe", ep=2),
     "tp2_fsdp2_qwen3": dict(name="qwen3", tp=2),
 }
 WORLD_2 = ["ep_zero_tokens", "muon_tp_exact", "ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe",
-           "tp2_vl_muon"]  # fmt: skip
+           "ep2_qwen3_5_moe", "tp2_vl_muon"]  # fmt: skip
 WORLD_4 = ["ep4_moe", "fsdp2_ep2_vl", "tp2_fsdp2_qwen3"]
 
 

@@ -3,7 +3,7 @@
 Two spawns (2 and 4 ranks) run every scenario of _ep_tp_workers.py: EP 2 and 4, FSDP 2 x EP 2,
 EP 2 with Ulysses SP 2, TP 2, TP 2 x FSDP 2, with AdamW and Muon, three optimizer steps each,
 Qwen3-MoE / Qwen3-VL-MoE (router aux loss on, a text-only rank next to image ranks) and Qwen3 /
-Qwen3-VL (TP); plus one experts module whose EP rank receives no token at all.
+Qwen3-VL (TP), Qwen3.5-MoE (the same EP plan on another family); plus one experts module whose EP rank receives no token at all.
 
 Gradients are clipped to a global norm of 1 (lmms_parallel.clip_grad_norm_ over parameters on
 different meshes, EP slices counted once) against torch's on the whole model.
@@ -77,7 +77,7 @@ def _check(results: list[dict], name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe", "tp2_vl_muon"],
+    ["ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe", "ep2_qwen3_5_moe", "tp2_vl_muon"],
 )
 def test_two_ranks_match_one_process(world2, name):
     _check(world2, name)
