@@ -209,6 +209,32 @@ def test_omni_packed_matches_unpacked_upstream():
         assert not torch.allclose(wrong, loss, rtol=1e-5)
 
 
+def test_omni_audio_inputs_precomputed_on_the_host(monkeypatch):
+    """The audio tower gets its chunking, cu_seqlens and indices computed on the host (no device
+    reads on a GPU); the step is bit-identical to the tower deriving them itself."""
+    spec, model, _, batch = omni_pack()
+    spec.set_attention(model, backend="varlen_sdpa")
+    seen: list[bool] = []
+    spec.audio_tower(model).register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append("valid_indices" in kw), with_kwargs=True
+    )
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss, _ = spec.packed_forward(model, batch)
+        loss.backward()
+        return loss.detach(), _grads(model)
+
+    loss, grads = step()
+    assert seen == [True]
+    monkeypatch.setattr(spec, "host_audio_inputs", lambda *_a: {})
+    ref_loss, ref_grads = step()
+    assert seen == [True, False]
+    assert torch.equal(loss, ref_loss)
+    for k in ref_grads:
+        assert torch.equal(grads[k], ref_grads[k]), k
+
+
 def test_omni_hooks_and_flops():
     from lmms_models.families.qwen2_5_omni import omni_audio_flops
 

@@ -201,10 +201,12 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
             if types is None:
                 raise ValueError("audio in a pack needs mm_token_type_ids (3 on audio tokens)")
             lens = audio["audio_feature_lens"].reshape(-1).long().cpu()
+            features = to_device(audio["input_features"], dev).transpose(0, 1)  # [M, F]
             feats = tower(
-                input_features=to_device(audio["input_features"], dev).transpose(0, 1),  # [M, F]
+                input_features=features,
                 feature_lens=to_device(lens, dev),
                 aftercnn_lens=to_device(whisper_lengths(lens)[0], dev),
+                **self.host_audio_inputs(tower, features, lens),
             ).last_hidden_state  # [N, H]
             embeds = merge_audio(embeds, types, feats)
         elif distributed:  # the smallest clip: 4 frames, one token
@@ -218,6 +220,36 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
                    "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "inputs_embeds")  # fmt: skip
         kept = {k: v for k, v in out.items() if k not in dropped}
         return {**kept, "inputs_embeds": embeds + zero.to(embeds.dtype)}
+
+    def host_audio_inputs(
+        self, tower: nn.Module, features: torch.Tensor, lens: torch.Tensor
+    ) -> dict[str, Any]:
+        """What the audio tower derives from ``feature_lens`` (2 s chunks, their ``cu_seqlens``
+        and maximum, the valid and pooling indices), computed on the host by transformers' own
+        helpers from the host ``lens [n]`` and handed over ready, where the installed
+        transformers takes them (5.24 does; from device lengths the tower reads them back with
+        several host synchronisations). ``features [M, F]`` on the device: only split by host
+        chunk lengths. Empty when the helpers are missing (the tower computes them itself)."""
+        import importlib
+
+        module = importlib.import_module(type(tower).__module__)
+        helpers = ("chunk_and_pad_features", "get_audio_cu_seqlens", "get_valid_indices",
+                   "get_pool_indices")  # fmt: skip
+        if not all(hasattr(module, h) for h in helpers):
+            return {}
+        padded, chunks = module.chunk_and_pad_features(
+            features, lens, tower.n_window
+        )  # host chunks
+        cu = module.get_audio_cu_seqlens(chunks)
+        dev = features.device
+        return {
+            "padded_feature": padded,
+            "chunk_lengths": to_device(chunks, dev),
+            "cu_seqlens": to_device(cu, dev),
+            "max_seqlen": int((cu[1:] - cu[:-1]).max()),
+            "valid_indices": to_device(module.get_valid_indices(chunks), dev),
+            "pool_indices": to_device(module.get_pool_indices(lens), dev),
+        }
 
     def media_flops(self, config: Any, batch: dict[str, Any]) -> float:
         total = super().media_flops(config, batch)
