@@ -89,7 +89,50 @@ class BagelSpec(ModelSpec):
         return conf
 
     def make_config(self, config: dict[str, Any]) -> BagelConfig:
-        return BagelConfig.from_dict(config)
+        return BagelConfig.from_dict({k: v for k, v in config.items() if k != "vae"})
+
+    def attach_vae(self, model: nn.Module, source: dict[str, Any] | str) -> None:
+        """Attach a frozen diffusers ``AutoencoderKL`` (config dict: seeded random weights for
+        tiny runs; str: a local folder, e.g. the FLUX VAE in diffusers layout) outside the
+        trained module tree (not in the state dict, FSDP units or checkpoints)."""
+        from ..._diffusion import attach_encoder, require_diffusers
+
+        diffusers = require_diffusers()
+        if isinstance(source, str):
+            vae = diffusers.AutoencoderKL.from_pretrained(source, local_files_only=True)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                vae = diffusers.AutoencoderKL(**source)
+        attach_encoder(model, "vae", vae)
+
+    def pixel_encoder(self, model: nn.Module) -> Any:
+        """``pixels [3, H, W] in [-1, 1] -> latents [C, H/f, W/f]`` through the attached VAE
+        (posterior mean, ``(z - shift_factor) * scaling_factor`` as the FLUX VAE is used), or None
+        without one (``pack_samples(encode=...)``)."""
+        from ..._diffusion import encoders_of
+        from ..sit import encode_latents
+
+        vae = encoders_of(model).get("vae")
+        if vae is None:
+            return None
+        return lambda px: encode_latents(vae.to(px.device), px[None])[0]
+
+    def latent_decoder(self, model: nn.Module) -> Any:
+        """``latents [C, h, w] -> pixels [3, H, W]``: the inverse scaling, then the VAE decoder."""
+        from ..._diffusion import encoders_of
+
+        vae = encoders_of(model).get("vae")
+        if vae is None:
+            return None
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+
+        @torch.no_grad()
+        def dec(z: torch.Tensor) -> torch.Tensor:
+            z = z[None] / vae.config.scaling_factor + shift
+            return vae.to(z.device).decode(z.to(next(vae.parameters()).dtype)).sample[0].float()
+
+        return dec
 
     def build(
         self,
@@ -122,7 +165,17 @@ class BagelSpec(ModelSpec):
             if name is None:
                 raise FileNotFoundError(f"{folder}: no model.safetensors or ema.safetensors")
             model.load_state_dict(load_file(str(folder / name)))
-        return model.to(dtype)
+        model = model.to(dtype)
+        vae = config.get("vae")  # type: ignore[union-attr]
+        if (
+            pretrained is not None
+            and vae is None
+            and (Path(pretrained) / "vae" / "config.json").is_file()
+        ):
+            vae = str(Path(pretrained) / "vae")
+        if vae is not None:
+            self.attach_vae(model, vae)
+        return model
 
     def set_attention(self, model: nn.Module, **_: Any) -> dict[str, str]:
         return {}  # span attention is chosen per row (PackLayout.backend)
