@@ -12,7 +12,7 @@ def _params(module, skip=()):
     return sum(p.numel() for n, p in module.named_parameters() if not any(s in n for s in skip))
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama", "qwen2_5_vl", "qwen3_vl"])
 def test_lm_matmul_params_match_module(name):
     spec = get_model_spec(name)
     model = spec.build(config=spec.tiny_config(), device="meta")

@@ -27,7 +27,7 @@ from lmms_models.objectives import (
 )
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
 
-MD_FAMILIES = ["qwen2", "qwen2_5", "qwen3"]
+MD_FAMILIES = ["qwen2", "qwen2_5", "qwen3", "llama"]
 VL_FAMILIES = ["qwen2_5_vl", "qwen3_vl"]  # their dense text decoders, with media in the packs
 MASK_ID = 1001  # inside the tiny vocab (1024), outside the sampled text ids (< 1000)
 

@@ -13,7 +13,7 @@ import torch
 from lmms_models import get_model_spec, linear_patch_embed
 from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
 
-TEXT_FAMILIES = ["qwen2", "qwen2_5", "qwen3", "qwen3_moe"]
+TEXT_FAMILIES = ["qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama"]
 VL_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 #: every family that takes images and video: the Qwen-VL lineage and families laid out otherwise
 MEDIA_FAMILIES = [*VL_FAMILIES, "llava_onevision"]

@@ -8,6 +8,7 @@ import torch
 from lmms_models import MODEL_REGISTRY, ModelSpec, get_model_spec, list_models, register_model
 
 FAMILIES = [
+    "llama",
     "llava_onevision",
     "qwen2",
     "qwen2_5",

@@ -272,7 +272,10 @@ def build_model(
             from lmms_parallel import load_full_state_dict, materialize
 
             materialize(model, env.device)
-            load_full_state_dict(model, weights if env.rank == 0 else None)
+            from lmms_models.objectives.llada_layout import pretrained_key_map
+
+            key_map = pretrained_key_map(weights) if isinstance(weights, str) else None  # LLaDA
+            load_full_state_dict(model, weights if env.rank == 0 else None, key_map=key_map)
             del weights
     master = None
     if not env.fsdp and t.bf16:

@@ -4,6 +4,7 @@ from . import (  # noqa: F401
     aero,
     bagel,
     fla,
+    llama,
     llava_onevision,
     qwen2,
     qwen2_5,

@@ -27,6 +27,7 @@ from .dllm_checkpoints import (
     read_layout,
 )
 from .flow_matching import FlowMatching
+from .llada_layout import LLADA_MASK_TOKEN_ID, export_llada
 from .masked_diffusion import (
     MaskedDiffusion,
     MaskedDiffusionOptions,
@@ -36,6 +37,7 @@ from .masked_diffusion import (
 
 __all__ = [
     "DLLM_LAYOUTS",
+    "LLADA_MASK_TOKEN_ID",
     "OBJECTIVE_REGISTRY",
     "CausalLM",
     "CeFlowMatching",
@@ -52,6 +54,7 @@ __all__ = [
     "diffusion_generate",
     "draw_masks",
     "export_dream",
+    "export_llada",
     "get_objective",
     "list_objectives",
     "load_dllm",

@@ -14,8 +14,11 @@ A dLLM built on a Qwen/LLaMA-style decoder is that decoder's checkpoint plus thr
   the ``qwen2`` family without running the release's remote code; written back by
   :func:`export_dream` (config rewritten, weights copied byte for byte).
 
-Not covered: LLaDA's release (OLMo-style names such as ``model.transformer.blocks.N.ff_proj``)
-would need a LLaMA family and a name map; lmms has no LLaMA family yet.
+* **LLaDA** (LLaDA-8B Base / Instruct, LLaDA-1.5: ``model_type: "llada"``,
+  ``architectures: ["LLaDAModelLM"]``): a LLaMA decoder under OLMo-style names
+  (``model.transformer.blocks.N.ff_proj``) and its own config keys; read as the ``llama`` family
+  through the name and key map of :mod:`.llada_layout`, unshifted, written back by
+  :func:`~.llada_layout.export_llada` (tensors renamed, bytes unchanged).
 
 Remote code is never run: folders are read with the family's transformers classes and
 ``local_files_only=True``.
@@ -53,6 +56,7 @@ class DllmLayout:
 #: ``config.json`` ``model_type`` of public dLLM releases -> lmms layout.
 DLLM_LAYOUTS: dict[str, DllmLayout] = {
     "Dream": DllmLayout(family="qwen2", shift=True, architectures=("DreamModel",)),
+    "llada": DllmLayout(family="llama", shift=False, architectures=("LLaDAModelLM",)),
 }
 
 
@@ -81,7 +85,7 @@ class DllmCheckpoint:
 def load_dllm(
     folder: str | Path, *, device: str = "cpu", mask_token_id: int | None = None
 ) -> DllmCheckpoint:
-    """A dLLM from a local folder (lmms or Dream layout), bidirectional, in eval mode.
+    """A dLLM from a local folder (lmms, Dream or LLaDA layout), bidirectional, in eval mode.
 
     The weights load through the family's transformers class (upstream attention, SDPA), then the
     text decoder's attention is made non-causal. ``mask_token_id`` overrides the config's.

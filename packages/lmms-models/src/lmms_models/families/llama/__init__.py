@@ -1,0 +1,113 @@
+"""LLaMA dense decoder (``LlamaForCausalLM``): no biases by default, GQA, SwiGLU, RMSNorm, RoPE.
+
+Besides the family's own layout (``model_type: llama``), a local folder in LLaDA's release layout
+(``model_type: llada``: OLMo-style names ``model.transformer.blocks.N.ff_proj``, its own config
+keys, a bidirectional LLaMA decoder) builds through the same upstream class: the config and the
+parameter names are translated by :mod:`lmms_models.objectives.llada_layout`; LLaDA's remote code
+is never imported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import _flops
+from ..._plans import QWEN2_TP_PLAN
+from ..._registry import register_model
+from ..._spec import ModelSpec
+from ..qwen2 import tiny_text
+
+__all__ = ["LlamaSpec"]
+
+#: LLaMA-3-8B's shape (the decoder of LLaDA-8B differs: 126464 vocab, MHA, 12288 MLP).
+LLAMA3_8B: dict[str, Any] = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    use_cache=False,
+)
+#: LLaDA-8B's decoder in LLaMA terms (what a ``model_type: llada`` folder of that size reads as).
+LLADA_8B: dict[str, Any] = dict(
+    LLAMA3_8B,
+    vocab_size=126464,
+    intermediate_size=12288,
+    num_key_value_heads=32,
+    max_position_embeddings=4096,
+    is_causal=False,
+    mask_token_id=126336,
+)
+
+
+@register_model("llama")
+class LlamaSpec(ModelSpec):
+    tp_plan = QWEN2_TP_PLAN  # same module names (q/k/v/o, gate/up/down) as Qwen2
+    processor_family = "qwen2"  # text chats; real runs pass the checkpoint's own tokenizer
+    config_class = "LlamaConfig"
+    model_class = "LlamaForCausalLM"
+    # mask_mapping stays False: LlamaModel builds its mask from None (no dict branch)
+    presets = {"llama3_8b": LLAMA3_8B, "llada_8b": LLADA_8B}  # noqa: RUF012
+
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        return tiny_text(**{"attention_bias": False, "rope_theta": 500000.0, **overrides})
+
+    def lm_matmul_params(self, config: Any) -> int:
+        cfg = self.text_config(config)
+        bias = bool(_flops._get(cfg, "attention_bias", False))
+        return _flops.dense_lm_matmul_params(cfg, attention_bias=bias)
+
+    def build(
+        self,
+        *,
+        config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attn_backend: str = "auto",
+        vision_attn_backend: str | None = None,
+    ) -> nn.Module:
+        """:meth:`ModelSpec.build`; a ``pretrained`` folder in LLaDA's layout is translated.
+
+        LLaDA folder: the config becomes a LLaMA config (``is_causal: false``, the mask token id)
+        and the weights load under the upstream names (strict: every key must map and match).
+        On ``meta`` only the config is read; the trainer loads the weights with
+        :func:`~lmms_models.objectives.llada_layout.pretrained_key_map`.
+        """
+        from ...objectives.llada_layout import is_llada_folder, llada_config, read_llada_weights
+
+        if pretrained is None or not is_llada_folder(pretrained):
+            return super().build(
+                config=config,
+                pretrained=pretrained,
+                device=device,
+                dtype=dtype,
+                attn_backend=attn_backend,
+                vision_attn_backend=vision_attn_backend,
+            )
+        if config is not None:
+            raise ValueError("give exactly one of config= or pretrained=")
+        conf = llada_config(pretrained)
+        device = torch.device(device)
+        model = super().build(
+            config=conf,
+            device="cpu" if device.type != "meta" else device,
+            dtype=dtype,
+            attn_backend=attn_backend,
+            vision_attn_backend=vision_attn_backend,
+        )
+        if device.type != "meta":
+            weights = read_llada_weights(pretrained)  # upstream names
+            if model.config.tie_word_embeddings:  # one table: the head reads the embedding's
+                weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+            model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
+            model = model.to(device)
+        return model
