@@ -21,6 +21,7 @@ The spec answers the objective's questions (:meth:`diffusion_inputs`, :meth:`dro
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,8 +112,13 @@ class DiffusionSpec(ModelSpec):
             return cls(**source)
 
     def attach_encoders(self, model: nn.Module, encoders: dict[str, Any]) -> None:
+        """Attach the encoders *lazily*: each is built on first use (:func:`encoders_of`), so a
+        model built on the meta device (under ``lmms_parallel.meta_init``) still gets real,
+        identical encoders on every rank, and runs that read precomputed latents never build
+        them."""
+        pending = model.__dict__.setdefault(_PENDING, {})
         for name, source in encoders.items():
-            attach_encoder(model, name, self.build_encoder(name, source))
+            pending[name] = functools.partial(self.build_encoder, name, source)
 
     def pretrained_parts(self, path: str) -> tuple[str, dict[str, str]]:
         """``(transformer folder, {encoder: folder})`` of a local checkpoint: a diffusers
@@ -237,6 +243,7 @@ class DiffusionSpec(ModelSpec):
 
 # ------------------------------------------------------------------------------ frozen encoders
 _FROZEN = "_lmms_frozen_encoders"
+_PENDING = "_lmms_pending_encoders"
 
 
 def attach_encoder(model: nn.Module, name: str, encoder: nn.Module) -> None:
@@ -248,7 +255,10 @@ def attach_encoder(model: nn.Module, name: str, encoder: nn.Module) -> None:
 
 
 def encoders_of(model: nn.Module) -> dict[str, nn.Module]:
-    """The frozen encoders attached to ``model`` (name -> module)."""
+    """The frozen encoders attached to ``model`` (name -> module; lazily attached ones are
+    built here, once)."""
+    for name, build in model.__dict__.pop(_PENDING, {}).items():
+        attach_encoder(model, name, build())
     return dict(model.__dict__.get(_FROZEN, {}))
 
 

@@ -120,6 +120,9 @@ class WanSpec(DiffusionSpec):
             config = self.pretrained_config(pretrained)
         with torch.device(device):
             model = cls(**self._transformer_config(config))  # type: ignore[arg-type]
+        if device.type == "meta":  # the RoPE tables (non-persistent buffers) stay real
+            rope = model.rope
+            model.rope = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len)
         self.attach_encoders(model, self.split_encoders(config)[1])  # type: ignore[arg-type]
         # lmms_parallel.export_hf hands the gathered weights as state_dict=, which diffusers'
         # save_pretrained does not take: this instance writes them in diffusers' own layout.
