@@ -37,6 +37,9 @@ class DatasetConfig:
     # at most this many vision tokens per pack (a second packing budget): vision work per pack,
     # and so per data-parallel rank, stays bounded; None = no limit
     max_vision_tokens_per_pack: int | None = None
+    # look-ahead packs per DP rank for vision-FLOPs balancing across DP ranks (lmms_data._balance;
+    # no communication); 0 = packs in produced order
+    vision_balance_window: int = 0
     bad_record_policy: str = "skip"
     max_bad_record_ratio: float = 0.1  # abort when bad/seen exceeds this ...
     min_records_for_ratio: int = 200  # ... once at least this many records were seen
@@ -67,6 +70,8 @@ class DatasetConfig:
             raise ValueError("packing_length and max_open_bins must be positive")
         if self.max_vision_tokens_per_pack is not None and self.max_vision_tokens_per_pack <= 0:
             raise ValueError("max_vision_tokens_per_pack must be positive (or unset)")
+        if self.vision_balance_window < 0 or self.vision_balance_window == 1:
+            raise ValueError("vision_balance_window must be 0 (off) or at least 2")
         if self.mixture_weights is not None:
             n = len(self.paths)
             if len(self.mixture_weights) != n or any(w < 0 for w in self.mixture_weights):

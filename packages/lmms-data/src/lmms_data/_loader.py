@@ -19,9 +19,10 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from lmms_data._balance import VisionBalancer
 from lmms_data._config import DatasetConfig
 from lmms_data._errors import BadRecordError, BadRecordStats, logger
 from lmms_data._readers import Unit, discover_units, list_files, unreadable_reason
@@ -141,6 +142,7 @@ class PackedLoader:
     def __init__(
         self, cfg: DatasetConfig, processor: Any, *, dp_rank: int = 0, dp_world: int = 1,
         num_workers: int | None = None, seed: int | None = None,
+        vision_cost: Callable[[dict[str, Any]], float] | None = None,
     ) -> None:  # fmt: skip
         if not 0 <= dp_rank < dp_world:
             raise ValueError(f"dp_rank {dp_rank} not in [0, {dp_world})")
@@ -167,6 +169,12 @@ class PackedLoader:
         self.fingerprint = dataset_fingerprint(cfg)
         self._states: dict[int, dict] = {}
         self._next = 0
+        # packs reordered in a look-ahead window so DP ranks' vision FLOPs per step stay close
+        self._balancer = (
+            VisionBalancer(cfg.vision_balance_window, vision_cost)
+            if cfg.vision_balance_window
+            else None
+        )
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -184,10 +192,37 @@ class PackedLoader:
                 _DS(), batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
                 prefetch_factor=self.cfg.prefetch_factor, worker_init_fn=_worker_init,
             ))  # fmt: skip
+        if self._balancer is not None:
+            yield from self._balanced(it)
+            return
         for batch, state, logical in it:
             self._states[logical] = state
             self._next = (logical + 1) % self.W
             yield batch
+
+    def _balanced(self, it: Iterator[tuple[dict, dict, int]]) -> Iterator[dict[str, Any]]:
+        """Packs through the balancer's window; the saved stream states stay those just before
+        the window's first pack, so a resume re-produces the window (see lmms_data._balance)."""
+        bal = self._balancer
+        assert bal is not None
+        bal.load_state_dict(bal.state_dict())  # a new iter() re-produces the current window
+        done = False
+        while True:
+            e = bal.pop(draining=done)
+            if e is None:
+                if done:
+                    return
+                nxt = next(it, None)
+                if nxt is None:
+                    done = True
+                else:
+                    bal.push(nxt[0], nxt)
+                continue
+            for g in bal.advance():
+                _, state, logical = g.item
+                self._states[logical] = state
+                self._next = (logical + 1) % self.W
+            yield e.item[0]
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -198,6 +233,7 @@ class PackedLoader:
             "next_worker": self._next,
             "workers": {str(k): v for k, v in self._states.items()},
             "fingerprint": self.fingerprint,
+            **({"balance": self._balancer.state_dict()} if self._balancer is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -211,8 +247,15 @@ class PackedLoader:
         saved = state.get("fingerprint")  # absent in states written before it was recorded
         if saved is not None and saved != self.fingerprint:
             raise DatasetChangedError(_fingerprint_changes(saved, self.fingerprint))
+        if (state.get("balance") is None) != (self._balancer is None):
+            raise ValueError(
+                "data state saved with a different dataset_config.vision_balance_window "
+                "(on vs off): resume with the same setting"
+            )
         self._states = {int(k): v for k, v in state["workers"].items()}
         self._next = state["next_worker"]
+        if self._balancer is not None:
+            self._balancer.load_state_dict(state["balance"])
 
     def metrics(self) -> dict[str, int]:
         """``{"records_seen", "records_bad", "bad/<reason>": n, ...}`` over returned batches."""
@@ -234,11 +277,13 @@ def build_dataloader(
     dp_world: int = 1,
     num_workers: int | None = None,
     seed: int | None = None,
+    vision_cost: Callable[[dict[str, Any]], float] | None = None,
 ) -> PackedLoader:
     """The trainer's entry point: packed batches for ``dp_rank`` with ``state_dict()`` resume.
 
     ``processor`` is an lmms processor (any ``callable(messages) -> sample``), an HF processor, or
-    a local folder path; ``None`` uses ``processor_path`` from the config.
+    a local folder path; ``None`` uses ``processor_path`` from the config. ``vision_cost(batch)``
+    estimates a pack's vision FLOPs for ``vision_balance_window`` (default: its patch count).
     """
     cfg = (
         DatasetConfig.from_dict(dataset_config)
@@ -246,7 +291,7 @@ def build_dataloader(
         else dataset_config
     )
     return PackedLoader(cfg, processor, dp_rank=dp_rank, dp_world=dp_world,
-                        num_workers=num_workers, seed=seed)  # fmt: skip
+                        num_workers=num_workers, seed=seed, vision_cost=vision_cost)  # fmt: skip
 
 
 #: the name docs/contracts.md uses; same function
