@@ -213,9 +213,9 @@ def _gated_delta_rule_torch(
     diff = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf"))
     decay = diff.exp()  # [H, N, C, C] e^{gc_i - gc_j} for i >= j, else 0
     kb = k * beta[..., None]
-    # (I + A) with A strictly lower: A_ij = β_i k_i·k_j e^{gc_i-gc_j}; its inverse is the WY form
-    system = (kb @ k.transpose(-1, -2)) * decay.tril(-1)
-    system = system + torch.eye(chunk, device=q.device)
+    # (I + A) with A strictly lower: A_ij = β_i k_i·k_j e^{gc_i-gc_j}; its inverse is the WY form.
+    # The unit-triangular solves read only the strictly lower part (the diagonal is taken as 1).
+    system = (kb @ k.transpose(-1, -2)) * decay
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(
         system, kb * gc.exp()[..., None], upper=False, unitriangular=True
