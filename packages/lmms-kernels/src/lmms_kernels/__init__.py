@@ -12,6 +12,7 @@ from ._compile import (
 )
 from ._flce import fused_linear_cross_entropy
 from ._hf import register_varlen_attention
+from ._liger import LIGER_FAMILIES, PatchHandle, apply_liger
 from ._linear_attention import (
     LINEAR_BACKENDS,
     causal_conv1d_varlen,
@@ -19,7 +20,6 @@ from ._linear_attention import (
     gated_rms_norm,
     resolve_linear_backend,
 )
-from ._liger import LIGER_FAMILIES, PatchHandle, apply_liger
 from ._moe import (
     EXPERTS_BACKENDS,
     expert_counts,
