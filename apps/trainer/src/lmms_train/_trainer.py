@@ -12,6 +12,7 @@ fails to start leaves the folder as it was.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -146,6 +147,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
     data, eval_data = build_data(cfg, env, spec)  # reads every shard's metadata: before the model
     seed_everything(t.seed)
     built = build_model(cfg, env, spec, token_ids)
+    if hasattr(data, "loader") and hasattr(data.loader, "set_vision_cost"):  # balancing's cost
+        data.loader.set_vision_cost(functools.partial(spec.pack_vision_flops, built.hf_config))
     optimizer = build_optimizer(built.model, spec, t, built.master)
     if t.ema_decay is not None:  # EMA of the weights, in the optimizer's state (_ema)
         from lmms_train._ema import install_ema

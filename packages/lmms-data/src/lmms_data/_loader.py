@@ -224,6 +224,12 @@ class PackedLoader:
                 self._next = (logical + 1) % self.W
             yield e.item[0]
 
+    def set_vision_cost(self, cost: Callable[[dict[str, Any]], float]) -> None:
+        """The pack cost ``vision_balance_window`` orders by (the trainer passes its family's
+        ``pack_vision_flops`` once the model config is known); no effect when balancing is off."""
+        if self._balancer is not None:
+            self._balancer.cost = cost
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": _STATE_VERSION,

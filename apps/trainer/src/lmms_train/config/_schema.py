@@ -160,6 +160,14 @@ class DatasetConfig:
         "takes a pack's whole budget): every data-parallel rank's vision work per pack stays "
         "bounded, see the metric `perf/vision_flops_imbalance`. Unset: no limit.",
     )
+    vision_balance_window: int = _f(
+        0,
+        "Packs each data-parallel rank's loader looks ahead to balance vision FLOPs across the "
+        "ranks of a step (no communication: every rank emits the pack at the same quantile of "
+        "its window's vision FLOPs, by the family's formula; a pack waits at most 4x this many "
+        "steps; exact resume). Lowers `perf/vision_flops_imbalance` on mixed video/image/text "
+        "data; costs this many packs of host memory. 0: packs in produced order.",
+    )
     bad_record_policy: str = _f(
         "skip",
         "Unreadable/invalid/too long records: `skip` (counted, reported) or `raise` (stop at the "
