@@ -37,14 +37,35 @@ def _case(rank: int) -> dict[str, Any]:
     return {"loss": float(summed), "loss_1proc": ref_loss, "worst": cases.worst(ref, grads)}
 
 
+def _sp_case() -> dict[str, Any]:
+    """Ulysses SP 2 == SP 1 on the mixed pack (span masks across the split, both experts)."""
+    import _bagel_cases as cases
+
+    from lmms_models.objectives import ObjectiveContext, get_objective
+
+    spec, model = cases.tiny_model()
+    batch = cases.pack(cases.PACKS["mixed"])
+    ref_loss, _, ref = cases.loss_grads(spec, model, batch, 10.0)
+    obj = get_objective("ce_flow_matching", ce_weight=1.0, fm_weight=2.0)
+    model.zero_grad(set_to_none=True)
+    out = obj.loss(spec, model, batch, ObjectiveContext(seed=3, sp_group=dist.group.WORLD))
+    (out.loss_sum / 10.0).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    for g in grads.values():  # FSDP sums gradients over the dp_shard x sp mesh
+        dist.all_reduce(g)
+    return {"loss": float(out.loss_sum), "loss_1proc": ref_loss, "worst": cases.worst(ref, grads)}
+
+
 def run(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        res = _case(rank)
-    except Exception:
-        res = {"error": traceback.format_exc()}
+    res: dict[str, Any] = {}
+    for key, fn in (("sp", _sp_case), ("fsdp", lambda: _case(rank))):
+        try:
+            res[key] = fn()
+        except Exception:
+            res[key] = {"error": traceback.format_exc()}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()

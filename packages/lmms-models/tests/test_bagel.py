@@ -226,14 +226,22 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.multiprocess
-def test_fsdp2_two_ranks_equal_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> list[dict]:
     import _bagel_workers
     import torch.multiprocessing as mp
 
-    mp.spawn(_bagel_workers.run, args=(2, _port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    out = tmp_path_factory.mktemp("bagel_parallel")
+    mp.spawn(_bagel_workers.run, args=(2, _port(), str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["fsdp", "sp"])
+def test_two_ranks_equal_one_process(spawned, case):
+    """FSDP2 (a unit per MoT layer and ViT layer) and Ulysses SP 2, each == 1 process."""
+    for rank, res in enumerate(spawned):
+        got = res[case]
         assert "error" not in got, got.get("error")
         assert got["loss"] == pytest.approx(got["loss_1proc"], rel=1e-5), rank
         assert got["worst"] < 1e-4, (rank, got["worst"])

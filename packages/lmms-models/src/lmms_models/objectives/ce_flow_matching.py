@@ -63,7 +63,7 @@ class CeFlowMatchingOptions:
 
 def mixed_terms(
     spec: Any, model: nn.Module, batch: dict[str, Any], cfg: fm.FlowMatchingConfig, seed: int,
-    loss_backend: str = "auto",
+    loss_backend: str = "auto", sp_group: Any = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """``{ce_sum, ce_count, fm_sum, fm_count, per_image [n_noised], t [n_noised]}`` of one row.
 
@@ -91,7 +91,7 @@ def mixed_terms(
                 times.append(torch.zeros(n_tok, device=dev))
     tok = torch.cat(tokens) if tokens else None
     tim = torch.cat(times) if times else None
-    ce_sum, ce_n, pred = spec.mixed_forward(model, batch, tok, tim, loss_backend)
+    ce_sum, ce_n, pred = spec.mixed_forward(model, batch, tok, tim, loss_backend, sp_group)
     dev = ce_sum.device
     per_image, ts, fm_sum = [], [], torch.zeros((), device=dev)
     n_fm = 0
@@ -136,14 +136,15 @@ class CeFlowMatching(Objective):
                 f"objective ce_flow_matching needs a unified family (bagel); {spec.name} has no "
                 "mixed_forward"
             )
-        if ctx.sp_group is not None:
-            raise NotImplementedError(
-                "ce_flow_matching: Ulysses SP is not supported (span masks need the whole row "
-                "per head group: see docs/bagel.md); set sp_ulysses_degree: 1"
-            )
         opt: CeFlowMatchingOptions = self.options
-        terms = mixed_terms(spec, model, batch, opt.fm_config, ctx.seed, ctx.loss_backend)
+        terms = mixed_terms(
+            spec, model, batch, opt.fm_config, ctx.seed, ctx.loss_backend, ctx.sp_group
+        )
         loss_sum = opt.ce_weight * terms["ce_sum"] + opt.fm_weight * terms["fm_sum"]
+        if ctx.sp_group is not None:  # every SP rank holds the whole row's loss: the value is
+            # the row's, each rank's gradient share 1/sp (the group's sum is one process's)
+            sp = torch.distributed.get_world_size(ctx.sp_group)
+            loss_sum = loss_sum / sp + (loss_sum - loss_sum / sp).detach()
         count = (terms["ce_count"] + terms["fm_count"]).to(torch.int64)
         ce_n = terms["ce_count"].to(torch.float32)
         fm_n = terms["fm_count"].to(torch.float32)

@@ -193,11 +193,13 @@ class BagelSpec(ModelSpec):
 
     def mixed_forward(
         self, model: nn.Module, batch: dict[str, Any], tokens: torch.Tensor | None,
-        time: torch.Tensor | None, loss_backend: str = "auto",
+        time: torch.Tensor | None, loss_backend: str = "auto", sp_group: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         from ..._diffusion import call_denoiser
 
-        return call_denoiser(model, batch, tokens, time, loss_backend=loss_backend)
+        return call_denoiser(
+            model, batch, tokens, time, loss_backend=loss_backend, sp_group=sp_group
+        )
 
     def packed_forward(self, model: nn.Module, batch: dict[str, Any], **_: Any) -> Any:
         raise NotImplementedError("bagel trains with objective: ce_flow_matching")

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..sit._model import sincos_2d
 from ._mask import PackLayout, span_attention
+from ._sp import sp_gather, sp_layout, sp_slice, sp_span_attention
 
 __all__ = [
     "Bagel",
@@ -254,7 +255,10 @@ class MoTAttention(nn.Module):
         qkv = routed(x, gen, lambda a: self._qkv("", a), lambda a: self._qkv("_moe_gen", a))
         q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
         q, k = rope(q, *rope_cs), rope(k, *rope_cs)
-        out = span_attention(q, k, v, layout).flatten(1)  # [T, H * D]
+        if getattr(layout, "sp_group", None) is not None:
+            out = sp_span_attention(q, k, v, layout).flatten(1)  # Ulysses: see _sp.py
+        else:
+            out = span_attention(q, k, v, layout).flatten(1)  # [T, H * D]
         return routed(out, gen, self.o_proj, self.o_proj_moe_gen)
 
 
@@ -459,8 +463,9 @@ class Bagel(nn.Module):
         return x
 
     def hidden_states(self, batch: dict[str, Any], vae_tokens: torch.Tensor | None = None,
-                      vae_time: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """Final hidden states ``[T, hidden]`` (each token normed by its own expert's norm)."""
+                      vae_time: torch.Tensor | None = None, sp_group: Any = None) -> torch.Tensor:  # fmt: skip
+        """Final hidden states ``[T, hidden]`` (each token normed by its own expert's norm).
+        ``sp_group``: Ulysses over the decoder (``_sp.py``); the whole row is returned."""
         lm = self.language_model.model
         x = self.embed(batch, vae_tokens, vae_time)
         gen = batch["token_type"] == 2  # [T] VAE latent tokens: the generation expert
@@ -468,9 +473,15 @@ class Bagel(nn.Module):
             batch["position_ids"], self.config.llm.head_dim, self.config.llm.rope_theta, x.dtype
         )
         layout: PackLayout = batch["layout"]
+        total = x.shape[0]
+        if sp_group is not None:
+            x, gen = sp_slice(x, sp_group), sp_slice(gen, sp_group)
+            cs = (sp_slice(cs[0], sp_group), sp_slice(cs[1], sp_group))
+            layout = sp_layout(layout, sp_group, total)
         for layer in lm.layers:
             x = layer(x, gen, cs, layout)
-        return routed(x, gen, lm.norm, lm.norm_moe_gen)
+        x = routed(x, gen, lm.norm, lm.norm_moe_gen)
+        return x if sp_group is None else sp_gather(x, sp_group, total)
 
     def forward(
         self,
@@ -479,6 +490,7 @@ class Bagel(nn.Module):
         vae_time: torch.Tensor | None = None,  # [Ng] noise level per latent token
         *,
         loss_backend: str = "auto",
+        sp_group: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(ce_sum fp32, ce_count int64, velocity predictions [Ng_loss, p*p*C])``.
 
@@ -487,7 +499,7 @@ class Bagel(nn.Module):
         the noised latent tokens (``batch["fm_index"]``)."""
         from lmms_kernels import fused_linear_cross_entropy
 
-        hidden = self.hidden_states(batch, vae_tokens, vae_time)
+        hidden = self.hidden_states(batch, vae_tokens, vae_time, sp_group)
         head = self.language_model.lm_head
         ce_idx = batch["ce_index"]
         ce_sum, ce_n = fused_linear_cross_entropy(
