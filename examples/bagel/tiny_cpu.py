@@ -1,6 +1,6 @@
 """Tiny BAGEL on CPU: learns to describe and to draw coloured shapes, in about a minute.
 
-    uv run --all-packages --all-extras python examples/bagel/tiny_cpu.py [--steps 300] [--out DIR]
+    uv run --all-packages --all-extras python examples/bagel/tiny_cpu.py [--steps 300] [--out DIR] [--muon]
 
 Generated data (shapes with captions, in the chat-record format): each record is either
 *understanding* (user: image + "what is this?", assistant: "a red square") or *generation*
@@ -65,6 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--muon", action="store_true", help="lmms_optim.Muon on the hidden matrices")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)  # tiny matmuls: more threads only add synchronisation
@@ -81,7 +82,15 @@ def main() -> None:
     model = spec.build(config=conf)
     cfg = spec.make_config(conf)
     obj = get_objective("ce_flow_matching", ce_weight=1.0, fm_weight=1.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+    if args.muon:  # Muon for the decoder/ViT matrices; AdamW for embeddings, heads, projections
+        from lmms_optim import Muon, build_muon_param_groups
+
+        io_modules = [model.language_model.lm_head, model.vae2llm, model.llm2vae,
+                      model.connector, model.time_embedder, model.vit_model.vision_model.embeddings]  # fmt: skip
+        groups = build_muon_param_groups(model, lr=0.02, adamw_lr=2e-3, adamw_modules=io_modules)
+        opt: torch.optim.Optimizer = Muon(groups)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     rng = random.Random(0)
     encode = pixel_space_latents(FACTOR)
     soi, eoi = proc.start_of_image, proc.end_of_image

@@ -1,7 +1,8 @@
 """BAGEL (family ``bagel``, objective ``ce_flow_matching``) on CPU: span masks against an
 independent reference, packed == unpacked (loss and gradients) for understanding, generation,
 editing and mixed packs with a length-1 sample, FlexAttention == per-sample SDPA, the public
-checkpoint's key layout at the 7B-MoT preset, deterministic noise draws, FSDP2 2 ranks == 1."""
+checkpoint's key layout at the 7B-MoT preset, deterministic noise draws, AC, FSDP2 2 ranks == 1
+and Ulysses SP 2 == 1 (gloo)."""
 
 from __future__ import annotations
 
