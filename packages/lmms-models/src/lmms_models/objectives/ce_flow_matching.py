@@ -25,7 +25,6 @@ and the image's index): packed, unpacked, any layout, resumed: the same draws.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,8 +157,3 @@ class CeFlowMatching(Objective):
                 if k[0] == "l":
                     metrics["fm_" + k] = (v, sums["count_t/" + k.split("/", 1)[1]])
         return ObjectiveOutput(loss_sum=loss_sum, count=count, metrics=metrics)
-
-
-def options_dict(opt: CeFlowMatchingOptions) -> dict[str, Any]:
-    """The options as YAML-able keywords (without the derived ``fm_config``)."""
-    return {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.name != "fm_config"}
