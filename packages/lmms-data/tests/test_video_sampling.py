@@ -88,3 +88,33 @@ def test_short_and_dense_sampling(tmp_path):
         c.mux(s.encode())
     v1 = decode_video(str(path1), fps=2.0, max_frames=8, multiple=2)
     assert v1.indices.tolist() == [0, 0] and v1.frames.shape == (2, 16, 48, 3)
+
+
+def test_a_video_part_overrides_the_processor_knobs(proc25, tmp_path):
+    """qwen-vl-utils' per-video keys (``fps``, ``max_frames``, ``min_pixels``, ``max_pixels``) on a
+    record's video part override ``video_fps`` / ``video_max_frames`` / ``video_*_pixels``, and
+    survive record normalisation."""
+    from lmms_data import build_processor
+    from lmms_data._records import normalise
+
+    path = _write(tmp_path / "v.mp4", 60)  # 240 frames at 4 fps, 48x16
+    p = build_processor("qwen2_5_vl", proc25["path"], video_fps=2.0, video_max_frames=32,
+                        video_min_pixels=28 * 28, video_max_pixels=28 * 28 * 4)  # fmt: skip
+
+    def grid(**own):
+        rec = {"messages": [
+            {"role": "user", "content": [{"type": "video", "video": path, **own},
+                                         {"type": "text", "text": "what?"}]},
+            {"role": "assistant", "content": "bars"},
+        ]}  # fmt: skip
+        return p(normalise(rec))["video_grid_thw"][0].tolist()
+
+    t, h, w = grid()
+    assert t == 16  # 32 frames / temporal patch 2
+    assert grid(fps=0.1)[0] == 3  # 6 frames at 0.1 fps over 60 s
+    assert grid(max_frames=8)[0] == 4
+    t2, h2, w2 = grid(min_pixels=28 * 28 * 12, max_pixels=28 * 28 * 16)  # 48x16 px upscaled
+    assert (h, w) == (2, 4) and t2 == t and h2 * w2 >= 4 * 12  # for this video only
+    assert grid() == [t, h, w]
+    with pytest.raises(Exception, match="fps must be a positive number"):
+        grid(fps=0)

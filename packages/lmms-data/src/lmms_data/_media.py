@@ -31,6 +31,7 @@ class VideoFrames:
     fps: float  # source frame rate
     times: np.ndarray | None = None  # [T] seconds from the stream's start (the frames' own pts)
     decoded: int = 0  # frames the decoder produced to get these (seeks skip the rest)
+    pixels: tuple[int, int] | None = None  # the part's own (min, max) pixels per frame, if given
 
 
 def sample_indices(
@@ -133,6 +134,37 @@ def decode_video(
         times=np.asarray([p[1] for p in picks], dtype=np.float64),
         decoded=n_decoded,
     )
+
+
+#: a video part's own sampling keys (qwen-vl-utils' names), over the processor's defaults
+VIDEO_PART_OPTIONS = ("fps", "max_frames", "min_pixels", "max_pixels")
+
+
+def decode_video_part(
+    part: dict[str, Any], *, fps: float, max_frames: int, multiple: int,
+    min_pixels: int | None = None, max_pixels: int | None = None,
+) -> VideoFrames:  # fmt: skip
+    """:func:`decode_video` of a ``{"type": "video", "video": ..., "fps"?, "max_frames"?,
+    "min_pixels"?, "max_pixels"?}`` part: the part's own keys override the processor's
+    ``video_fps`` / ``video_max_frames`` / ``video_min_pixels`` / ``video_max_pixels``."""
+    own = {}
+    for k in VIDEO_PART_OPTIONS:
+        v = part.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+            raise BadRecordError(
+                "malformed_record", f"video part {k} must be a positive number, got {v!r}"
+            )
+        own[k] = v
+    out = decode_video(part["video"], fps=float(own.get("fps", fps)),
+                       max_frames=int(own.get("max_frames", max_frames)), multiple=multiple)  # fmt: skip
+    if ("min_pixels" in own or "max_pixels" in own) and min_pixels and max_pixels:
+        out.pixels = (
+            int(own.get("min_pixels", min_pixels)),
+            int(own.get("max_pixels", max_pixels)),
+        )
+    return out
 
 
 def load_audio(src: bytes | str) -> tuple[np.ndarray, int]:

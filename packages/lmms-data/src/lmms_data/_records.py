@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from lmms_data._errors import BadRecordError
+from lmms_data._media import VIDEO_PART_OPTIONS
 
 MEDIA_TYPES = ("image", "video", "audio")
 ROLES = ("system", "user", "assistant", "tool")
@@ -147,7 +148,8 @@ def _normalise_messages(rec: dict[str, Any]) -> list[dict[str, Any]]:
                         )
                     value = columns[t][used[t]]
                     used[t] += 1
-                parts.append({"type": t, t: value})
+                own = {k: part[k] for k in VIDEO_PART_OPTIONS if part.get(k) is not None}
+                parts.append({"type": t, t: value, **(own if t == "video" else {})})
             else:
                 known = sorted({*_TEXT_PARTS, *MEDIA_TYPES, *_OPENAI_PARTS})
                 raise BadRecordError(

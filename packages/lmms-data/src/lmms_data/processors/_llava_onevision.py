@@ -25,7 +25,7 @@ import numpy as np
 from PIL import Image
 
 from lmms_data._errors import BadRecordError
-from lmms_data._media import decode_video, load_image
+from lmms_data._media import decode_video_part, load_image
 from lmms_data._registry import register_processor
 from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
 
@@ -156,8 +156,8 @@ class LlavaOnevisionDataProcessor:
                 if t == "image":
                     images.append(load_image(part["image"]))
                 elif t == "video":
-                    videos.append(decode_video(part["video"], fps=self.video_fps,
-                                               max_frames=self.video_max_frames, multiple=1))  # fmt: skip
+                    videos.append(decode_video_part(part, fps=self.video_fps,
+                                                    max_frames=self.video_max_frames, multiple=1))  # fmt: skip
                 elif t != "text":
                     raise BadRecordError(
                         "unsupported_media", f"{self.family} cannot take {t} parts"

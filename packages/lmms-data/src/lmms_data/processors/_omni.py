@@ -24,7 +24,7 @@ import numpy as np
 
 from lmms_data._audio import load_audio_clips
 from lmms_data._errors import BadRecordError
-from lmms_data._media import decode_video, load_image
+from lmms_data._media import decode_video_part, load_image
 from lmms_data._registry import register_processor
 from lmms_data.processors._audio import (
     AUDIO_TYPE_ID,
@@ -191,8 +191,9 @@ class Qwen2_5OmniDataProcessor(QwenVLProcessor):
                 if t == "image":
                     images.append(load_image(part["image"]))
                 elif t == "video":
-                    videos.append(decode_video(part["video"], fps=self.video_fps,
-                                               max_frames=self.video_max_frames, multiple=self.tp))  # fmt: skip
+                    videos.append(decode_video_part(part, fps=self.video_fps,
+                                                    max_frames=self.video_max_frames, multiple=self.tp,
+                                                    min_pixels=self.video_min_pixels, max_pixels=self.video_max_pixels))  # fmt: skip
                     if self.use_audio_in_video:  # one clip: the interleaving places it whole
                         clips = load_audio_clips(part["video"], rate, self.audio, from_video=True)
                         video_sound.append(clips[0])
@@ -247,7 +248,7 @@ class Qwen2_5OmniDataProcessor(QwenVLProcessor):
         if videos:
             patches, grids, fills = [], [], []
             for k, v in enumerate(videos):
-                pv, g = self.patchify_video(v.frames)
+                pv, g = self.patchify_video(v.frames, v.pixels)
                 patches.append(pv)
                 grids.append(g)
                 sampled_fps = len(v.indices) * v.fps / max(1, int(v.indices[-1]) + 1)

@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from lmms_data._errors import BadRecordError
-from lmms_data._media import decode_video, load_image
+from lmms_data._media import decode_video_part, load_image
 from lmms_data._registry import register_processor
 from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
 from lmms_data.processors._mrope import mrope_positions
@@ -115,9 +115,13 @@ class QwenVLProcessor:
             "image_grid_thw": np.stack(grids),  # [n, 3]
         }
 
-    def patchify_video(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """frames [T, H, W, 3] uint8 -> (patches [t*h*w, C*tp*p*p], grid [3])."""
-        return self._patchify(frames, self.video_min_pixels, self.video_max_pixels)
+    def patchify_video(
+        self, frames: np.ndarray, pixels: tuple[int, int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """frames [T, H, W, 3] uint8 -> (patches [t*h*w, C*tp*p*p], grid [3]); ``pixels`` is a
+        video part's own (min, max) pixels per frame, else the processor's video bounds."""
+        lo, hi = pixels or (self.video_min_pixels, self.video_max_pixels)
+        return self._patchify(frames, lo, hi)
 
     def _patchify(
         self, frames: np.ndarray, min_px: int, max_px: int
@@ -157,8 +161,9 @@ class QwenVLProcessor:
                 if t == "image":
                     images.append(load_image(part["image"]))
                 elif t == "video":
-                    videos.append(decode_video(part["video"], fps=self.video_fps,
-                                               max_frames=self.video_max_frames, multiple=self.tp))  # fmt: skip
+                    videos.append(decode_video_part(part, fps=self.video_fps,
+                                                    max_frames=self.video_max_frames, multiple=self.tp,
+                                                    min_pixels=self.video_min_pixels, max_pixels=self.video_max_pixels))  # fmt: skip
                 elif t != "text":
                     raise BadRecordError(
                         "unsupported_media", f"{self.family} cannot take {t} parts"
@@ -189,7 +194,7 @@ class QwenVLProcessor:
         if videos:
             patches, grids, fills, spg = [], [], [], []
             for v in videos:
-                pv, g = self.patchify_video(v.frames)
+                pv, g = self.patchify_video(v.frames, v.pixels)
                 patches.append(pv)
                 grids.append(g)
                 fills.append(self._video_placeholder(g, v.indices, v.fps))
