@@ -283,6 +283,7 @@ def dist_worker(rank: int, world: int, port: int, out: str) -> None:
             opt.step()
         final[cls] = [p.full_tensor() for p in model.parameters()]
     diff = max((a - b).abs().max().item() for a, b in zip(*final.values(), strict=True))
+    scale = max(a.abs().max().item() for a in final[Muon])
     master = opts[MasterMuon]
     try:
         master.set_mirrors(
@@ -292,6 +293,6 @@ def dist_worker(rank: int, world: int, port: int, out: str) -> None:
     except NotImplementedError as e:
         mirror_err = str(e)
     with open(f"{out}/out{rank}.json", "w") as f:
-        json.dump({"diff": diff, "mirror_err": mirror_err}, f)
+        json.dump({"diff": diff, "scale": scale, "mirror_err": mirror_err}, f)
     dist.barrier()
     dist.destroy_process_group()

@@ -132,7 +132,11 @@ def test_sharded_parameters_take_muons_step_and_refuse_mirrors(monkeypatch):
 @pytest.mark.multiprocess
 def test_fsdp2_sharded_over_two_ranks(tmp_path):
     """Real DTensors sharded over 2 gloo ranks: MasterMuon's clip_norm_ and step equal
-    clip_grad_norm_ + Muon's, and set_mirrors refuses them."""
+    clip_grad_norm_ + Muon's to 2 fp32 ulps of the weights' scale, and set_mirrors refuses them.
+    (Bit for bit on the CI machine of 2026-12-04; on the development CPU of 2026-12-05 one weight
+    differed by one ulp after 3 steps, at the base commit too: the sharded path's CPU kernels
+    round differently by CPU. The one-process test above stays bit for bit; a wrong clip scale
+    or a lost shard moves the weights by orders of magnitude more.)"""
     import json
     import socket
 
@@ -144,7 +148,7 @@ def test_fsdp2_sharded_over_two_ranks(tmp_path):
     mp.start_processes(dist_worker, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
     for rank in range(2):
         r = json.loads((tmp_path / f"out{rank}.json").read_text())
-        assert r["diff"] == 0.0, r
+        assert r["diff"] <= 2 * torch.finfo(torch.float32).eps * r["scale"], r
         assert "sharded over several ranks" in r["mirror_err"], r
 
 
