@@ -129,6 +129,9 @@ def test_balanced_loader_resumes_exactly(tmp_path, workers):
         loader = mk()
         loader.load_state_dict(state)
     assert out == ref
+    again = mk()  # a second iter() on the same loader continues after the last pack returned
+    head = [batch_ids(b) for _, b in zip(range(9), iter(again), strict=False)]
+    assert head + [batch_ids(b) for b in again] == ref
     with pytest.raises(ValueError, match="vision_balance_window"):
         mk(plain_cfg).load_state_dict(state)
     other = DatasetConfig(**{**cfg.to_dict(), "vision_balance_window": 8})
