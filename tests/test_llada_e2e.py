@@ -17,6 +17,7 @@ from lmms_models.objectives import export_llada, load_dllm
 from lmms_models.testing_llada import llada_conf, llada_weights, write_llada
 from lmms_train import train
 from lmms_train._metrics import read_jsonl
+from lmms_train.cli import main
 from lmms_train.config import config_from_dict
 
 KEYS = ("loss", "md/masked_loss", "md/masked_acc", "md/mask_ratio")
@@ -50,7 +51,7 @@ def _cfg(inp: dict, out, **trainer) -> dict:
     }  # fmt: skip
 
 
-def test_llada_folder_trains_exports_and_reloads(llada_inputs, tmp_path):
+def test_llada_folder_trains_exports_and_reloads(llada_inputs, tmp_path, capsys):
     inp = llada_inputs
     train(config_from_dict(_cfg(inp, tmp_path / "run", export_hf=True)))
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -82,6 +83,11 @@ def test_llada_folder_trains_exports_and_reloads(llada_inputs, tmp_path):
     ids = torch.arange(20, 40)[None]
     with torch.no_grad():
         torch.testing.assert_close(a.model(input_ids=ids).logits, b.model(input_ids=ids).logits)
+    argv = ["sample", str(out), "--processor", str(inp["root"] / "proc"), "--prompt", "2 plus 3?",
+            "--gen-length", "4", "--steps", "4", "--show-steps"]  # fmt: skip
+    assert main(argv) == 0  # the sampler reads the LLaDA folder too
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split("]")[0] for ln in printed[:4]] == [f"[step {i:3d}" for i in range(1, 5)]
 
 
 @pytest.mark.multiprocess
