@@ -12,9 +12,12 @@ from lmms_kernels import _liger
 FAMILIES = sorted(TINY_CONFIGS)
 
 
-def _ref_rms_norm(x, w, eps):
+def _ref_rms_norm(x, w, eps, offset=0.0, casting="llama"):
     xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if casting == "gemma":  # everything in fp32, (offset + w), cast at the end
+        return (normed * (offset + w.float())).to(x.dtype)
+    return w * normed.to(x.dtype)
 
 
 def _ref_ops():
@@ -26,9 +29,9 @@ def fake_liger(monkeypatch):
     """Run the patched forwards on CPU with plain-torch stand-ins, counting calls."""
     calls = {"rms": 0, "swiglu": 0}
 
-    def rms(x, w, eps):
+    def rms(x, w, eps, *args):
         calls["rms"] += 1
-        return _ref_rms_norm(x, w, eps)
+        return _ref_rms_norm(x, w, eps, *args)
 
     def swiglu(a, b):
         calls["swiglu"] += 1
@@ -79,9 +82,28 @@ def test_grads_flow_through_patched_modules(fake_liger):
     handle.remove()
 
 
+def test_zero_centred_rms_norm_uses_the_offset(fake_liger):
+    """Qwen3.5's RMSNorm computes x * (1 + w) in fp32: its plan hands Liger offset 1 and the
+    "gemma" casting mode, so the patched forward equals upstream's (and a llama-mode patch,
+    w * x, would not)."""
+    mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    norm = mod.Qwen3_5RMSNorm(16)
+    with torch.no_grad():
+        norm.weight.normal_()
+    model = torch.nn.ModuleDict({"norm": norm})
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    want = norm(x)
+    handle = lk.apply_liger(model, "qwen3_5", swiglu=False)
+    got = norm(x)
+    assert fake_liger["rms"] == 1
+    assert torch.equal(got, want)
+    assert not torch.equal(_ref_rms_norm(x, norm.weight, norm.eps), want)  # the llama form
+    handle.remove()
+
+
 def test_errors_and_cpu_fallback():
     with pytest.raises(ValueError, match="no Liger patch plan"):
-        lk.apply_liger(torch.nn.Linear(2, 2), "llama")
+        lk.apply_liger(torch.nn.Linear(2, 2), "no_such_family")
     with pytest.raises(RuntimeError, match="found no"):
         lk.apply_liger(tiny_model("qwen2"), "qwen3")  # wrong family: nothing matches -> raise
     model = tiny_model("qwen2")

@@ -16,6 +16,11 @@ qwen3                 Qwen3RMSNorm (incl. q_norm/k_norm)          Qwen3MLP
 qwen3_moe             Qwen3MoeRMSNorm (incl. q_norm/k_norm)       Qwen3MoeMLP (dense layers only)
 qwen2_5_vl            Qwen2_5_VLRMSNorm (text and vision)         Qwen2MLP (text), Qwen2_5_VLMLP (vision)
 qwen3_vl              Qwen3VLTextRMSNorm                          Qwen3VLTextMLP
+qwen3_vl_moe          Qwen3VLMoeTextRMSNorm                       Qwen3VLMoeTextMLP (dense layers)
+llava_onevision       Qwen2RMSNorm                                Qwen2MLP
+qwen2_audio, aero     Qwen2RMSNorm                                Qwen2MLP
+qwen2_5_omni          Qwen2_5OmniRMSNorm                          Qwen2MLP (text), Qwen2_5OmniMLP (vision)
+qwen3_5 (+ _moe)      Qwen3_5RMSNorm: x * (1 + w), "gemma" mode   Qwen3_5MLP (dense / shared expert)
 ====================  ==========================================  ==============================
 
 Not patched, on purpose: MoE experts (grouped ``Qwen3MoeExperts`` weights, not a SwiGLU module);
@@ -67,6 +72,10 @@ __all__ = ["LIGER_FAMILIES", "PatchHandle", "apply_liger"]
 class _FamilySpec:
     rms_norm: tuple[str, ...]  # class names of RMSNorm modules to patch
     mlp: tuple[str, ...]  # class names of gate/up/down SwiGLU MLPs to patch
+    # Liger's RMSNorm semantics: "llama" = w * (x_fp32 * rstd).to(dtype), offset 0;
+    # "gemma" = ((x_fp32 * rstd) * (offset + w_fp32)).to(dtype) (Qwen3.5's zero-centred weight)
+    rms_offset: float = 0.0
+    rms_casting: str = "llama"
 
 
 LIGER_FAMILIES: dict[str, _FamilySpec] = {
@@ -78,9 +87,30 @@ LIGER_FAMILIES: dict[str, _FamilySpec] = {
     "qwen3_vl": _FamilySpec(rms_norm=("Qwen3VLTextRMSNorm",), mlp=("Qwen3VLTextMLP",)),
     # LLaVA-OneVision: the Qwen2 decoder (SigLIP's LayerNorm and GELU MLP stay upstream)
     "llava_onevision": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),
+    "llama": _FamilySpec(rms_norm=("LlamaRMSNorm",), mlp=("LlamaMLP",)),
+    # Qwen2-Audio and Aero: the Qwen2 decoder (the Whisper-style audio encoder: LayerNorm + GELU)
+    "qwen2_audio": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),
+    "aero": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),
+    # Qwen2.5-Omni thinker: text decoder (Qwen2MLP) and the Qwen2.5-VL-style vision tower's SwiGLU
+    "qwen2_5_omni": _FamilySpec(
+        rms_norm=("Qwen2_5OmniRMSNorm",), mlp=("Qwen2MLP", "Qwen2_5OmniMLP")
+    ),
+    # sparse decoders: norms everywhere, dense MLPs only where a layer is dense (often none)
+    "qwen3_vl_moe": _FamilySpec(rms_norm=("Qwen3VLMoeTextRMSNorm",), mlp=("Qwen3VLMoeTextMLP",)),
+    # Qwen3.5: zero-centred RMSNorm weight, x * (1 + w) in fp32 (the gated norm inside the
+    # Gated DeltaNet mixer stays upstream); the vision tower's MLP is GELU (not patched)
+    "qwen3_5": _FamilySpec(
+        rms_norm=("Qwen3_5RMSNorm",), mlp=("Qwen3_5MLP",), rms_offset=1.0, rms_casting="gemma"
+    ),
+    "qwen3_5_moe": _FamilySpec(
+        rms_norm=("Qwen3_5MoeRMSNorm",),
+        mlp=("Qwen3_5MoeMLP",),
+        rms_offset=1.0,
+        rms_casting="gemma",
+    ),
 }
 # families whose MLP may legitimately be absent (all layers sparse)
-_MLP_OPTIONAL = frozenset({"qwen3_moe"})
+_MLP_OPTIONAL = frozenset({"qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe"})
 _SILU_NAMES = frozenset({"SiLU", "SiLUActivation"})
 _MARK = "_lmms_liger_patched"
 
@@ -115,8 +145,8 @@ def _liger_ops():
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
-    def rms_norm(x, weight, eps):  # Qwen/Llama semantics: weight * (x_fp32 * rstd).to(x.dtype)
-        return LigerRMSNormFunction.apply(x.contiguous(), weight, eps, 0.0, "llama", False)
+    def rms_norm(x, weight, eps, offset=0.0, casting="llama"):  # see _FamilySpec.rms_casting
+        return LigerRMSNormFunction.apply(x.contiguous(), weight, eps, offset, casting, False)
 
     def silu_mul(a, b):
         return LigerSiLUMulFunction.apply(a, b)
@@ -128,7 +158,7 @@ def _use_liger(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _patch_rms_norm(module: nn.Module, original):
+def _patch_rms_norm(module: nn.Module, original, offset: float = 0.0, casting: str = "llama"):
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if eps is None or getattr(module, "weight", None) is None:
         raise RuntimeError(
@@ -139,7 +169,9 @@ def _patch_rms_norm(module: nn.Module, original):
         if torch.compiler.is_compiling() or not _use_liger(hidden_states):
             return original(hidden_states)  # compiled: Inductor fuses the upstream math
         rms_norm, _ = _liger_ops()
-        return rms_norm(hidden_states, module.weight, eps)
+        if offset == 0.0 and casting == "llama":
+            return rms_norm(hidden_states, module.weight, eps)
+        return rms_norm(hidden_states, module.weight, eps, offset, casting)
 
     return forward
 
@@ -213,7 +245,8 @@ def apply_liger(
     spec = LIGER_FAMILIES[family]
     plan: list[tuple[str, tuple[str, ...], object]] = []
     if rms_norm:
-        plan.append(("rms_norm", spec.rms_norm, _patch_rms_norm))
+        rms = functools.partial(_patch_rms_norm, offset=spec.rms_offset, casting=spec.rms_casting)
+        plan.append(("rms_norm", spec.rms_norm, rms))
     if swiglu:
         plan.append(("swiglu", spec.mlp, functools.partial(_patch_mlp, align=align_mlp)))
     handle = PatchHandle(family=family)
