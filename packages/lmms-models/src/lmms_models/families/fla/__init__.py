@@ -133,6 +133,9 @@ def _mlp_width(cfg: Any) -> int:
 
 @register_model("fla_gated_deltanet")
 class FlaGatedDeltaNetSpec(FlaSpec):
+    # flash-linear-attention's own modules already run fused Triton norms (RMSNorm,
+    # FusedRMSNormGated) and SwiGLU (GatedMLP) on the GPU: nothing for lmms' Liger plan to add
+    supports_liger = False
     config_class = "GatedDeltaNetConfig"
     model_class = "GatedDeltaNetForCausalLM"
     packed_mixer = staticmethod(fla_gdn_packed_mixer)
