@@ -6,10 +6,11 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from lmms_data_testutil import batch_ids, id_record, id_processor, write_id_parquet
+from lmms_data_testutil import batch_ids, id_processor, id_record, write_id_parquet
 
 from lmms_data import (
     BadRecordError,
@@ -38,7 +39,7 @@ def corpus(tmp_path) -> str:
     write_id_parquet(str(d / "b.parquet"), range(100, 130))
     _corrupt_row_group(str(d / "b.parquet"), 1)
     good = write_id_parquet(str(tmp_path / "c.parquet"), range(200, 230))
-    data = open(good, "rb").read()
+    data = Path(good).read_bytes()
     (d / "c_truncated.parquet").write_bytes(data[: len(data) // 2])
     (d / "d_garbage.arrow").write_bytes(os.urandom(3000))
     lines = "".join(json.dumps(id_record(i)) + "\n" for i in range(300, 400)).encode()
