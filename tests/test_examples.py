@@ -22,6 +22,7 @@ FAMILIES = (
 )
 FAMILIES += ("llava_onevision",)  # anyres images, multi-image, video
 FAMILIES += ("qwen3_5", "qwen3_5_moe", "fla_gated_deltanet")  # linear attention (Gated DeltaNet)
+FAMILIES += ("llama",)  # also LLaDA's checkpoint layout (docs/diffusion-lm.md)
 
 
 def test_every_family_has_examples():
@@ -49,6 +50,7 @@ TINY = {  # each family's tiny CPU example
     "qwen3_5": "qwen3_5/tiny_cpu.yaml",
     "qwen3_5_moe": "qwen3_5_moe/tiny_cpu.yaml",
     "fla_gated_deltanet": "fla_gated_deltanet/tiny_cpu.yaml",
+    "llama": "llama/tiny_cpu.yaml",
 }
 
 

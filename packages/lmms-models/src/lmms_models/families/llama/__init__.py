@@ -9,6 +9,7 @@ is never imported.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from ..._plans import QWEN2_TP_PLAN
 from ..._registry import register_model
 from ..._spec import ModelSpec
 from ..qwen2 import tiny_text
+from ..qwen3_moe import prepared_empty_mask
 
 __all__ = ["LlamaSpec"]
 
@@ -54,11 +56,17 @@ class LlamaSpec(ModelSpec):
     processor_family = "qwen2"  # text chats; real runs pass the checkpoint's own tokenizer
     config_class = "LlamaConfig"
     model_class = "LlamaForCausalLM"
-    # mask_mapping stays False: LlamaModel builds its mask from None (no dict branch)
+    #: LlamaModel has no ``{layer type: mask}`` branch, so no ``mask_mapping``: the packed forward
+    #: hands it qwen3_moe's empty prepared mask (no host read of ``position_ids``).
+    prepared_mask = True
     presets = {"llama3_8b": LLAMA3_8B, "llada_8b": LLADA_8B}  # noqa: RUF012
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         return tiny_text(**{"attention_bias": False, "rope_theta": 500000.0, **overrides})
+
+    def media_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """The packed forward's context: the empty prepared mask on the text decoder."""
+        return prepared_empty_mask(self.text_model(model))
 
     def lm_matmul_params(self, config: Any) -> int:
         cfg = self.text_config(config)
