@@ -19,7 +19,7 @@ def _backends():
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+    "name", ["qwen2", "qwen3", "qwen3_moe", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llama"]
 )
 def test_packed_matches_unpacked_on_gpu(name):
     spec = get_model_spec(name)
