@@ -1,7 +1,7 @@
 """`lmms-train sample`: decode text from a masked-diffusion checkpoint folder.
 
 The folder is an HF-layout dLLM (what `export_hf: true` writes for `objective: masked_diffusion`,
-or a Dream-layout release; `lmms_models.objectives.load_dllm`); the tokenizer comes from
+or a Dream- or LLaDA-layout release; `lmms_models.objectives.load_dllm`); the tokenizer comes from
 `--processor` (default: the folder itself). The prompt goes through the tokenizer's chat template
 (a user turn and the assistant's header) unless `--raw`.
 """
