@@ -71,7 +71,8 @@ def reference_logits(w: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Ten
         h = norm(x, w[b + "ff_norm.weight"])
         ff = F.silu(h @ w[b + "ff_proj.weight"].T) * (h @ w[b + "up_proj.weight"].T)
         x = x + ff @ w[b + "ff_out.weight"].T
-    return norm(x, w[p + "ln_f.weight"]) @ w[p + "ff_out.weight"].T  # [s, V]
+    head = w.get(p + "ff_out.weight", w[p + "wte.weight"])  # weight_tying: the embedding
+    return norm(x, w[p + "ln_f.weight"]) @ head.T  # [s, V]
 
 
 def test_llada_folder_loads_as_llama_and_matches_the_layouts_forward(tmp_path):
@@ -158,3 +159,21 @@ def test_export_writes_llada_names_keys_and_the_same_bytes(tmp_path):
         )
     with pytest.raises(ValueError, match="LLaMA decoder"):
         export_llada(tmp_path / "back", tmp_path / "x")  # already LLaDA's layout
+
+
+def test_tied_release_reads_and_writes_without_ff_out(tmp_path):
+    weights = llada_weights(seed=1)
+    del weights["model.transformer.ff_out.weight"]  # weight_tying: the head is wte
+    src = write_llada(tmp_path / "tied", llada_conf(weight_tying=True), weights)
+    ckpt = load_dllm(src)
+    assert ckpt.model.config.tie_word_embeddings
+    assert ckpt.model.lm_head.weight.data_ptr() == ckpt.model.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([5, 99, 501, 7, 300])
+    with torch.no_grad():
+        got = ckpt.model(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(got, reference_logits(weights, ids), rtol=1e-4, atol=1e-5)
+    ckpt.model.save_pretrained(tmp_path / "lmms")
+    out = export_llada(tmp_path / "lmms", tmp_path / "back")
+    back = load_file(str(out / "model.safetensors"))
+    assert set(back) == set(weights)  # no ff_out written
+    assert json.loads((out / "config.json").read_text())["weight_tying"] is True
