@@ -171,3 +171,36 @@ def test_released_processor_settings_match_the_presets():
         assert RELEASED_LLAVA["num_image_tokens"] == (v.image_size // v.patch_size) ** 2 == 729
         assert RELEASED_LLAVA["pinpoints"] == cfg.image_grid_pinpoints, name
         assert RELEASED_LLAVA["vision_aspect_ratio"] == cfg.vision_aspect_ratio, name
+
+
+def test_resume_reproduces_the_straight_run(tmp_path):
+    """A checkpoint of the tiny example resumes (SigLIP's post_layernorm, which LLaVA-OneVision
+    never reads, is frozen, so the optimizer holds state for every trainable parameter) and the
+    resumed step's loss equals the straight run's."""
+    import yaml
+    from e2e_helpers import REPO, write_config
+
+    from lmms_train._metrics import read_jsonl
+    from lmms_train.cli import main
+
+    cfg = yaml.safe_load((REPO / "examples/llava_onevision/tiny_cpu.yaml").read_text())
+    cfg["model_config"]["processor_path"] = str(tmp_path / "processor")
+    d = cfg["dataset_config"]
+    d.update(dataset_path=str(tmp_path / "data"), packing_length=384, num_workers=0)
+    d["generate_synthetic"] = {"num_samples": 48}
+    t = cfg["trainer_args"]
+    t.update(output_dir=str(tmp_path / "a"), max_steps=3, save_steps=2, eval_steps=0,
+             report_to=[], export_hf=False)  # fmt: skip
+    path = write_config(cfg, tmp_path / "c.yaml")
+    assert main([str(path)]) == 0
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    assert ckpt.is_dir()
+    out_b = f"trainer_args.output_dir={tmp_path / 'b'}"
+    assert main([str(path), out_b, f"trainer_args.resume_from={ckpt}"]) == 0
+
+    def losses(name):
+        return {r["step"]: r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")
+                if "loss" in r}  # fmt: skip
+
+    straight, resumed = losses("a"), losses("b")
+    assert 3 in resumed and resumed[3] == straight[3], (straight, resumed)

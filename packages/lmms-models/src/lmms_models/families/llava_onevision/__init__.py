@@ -141,13 +141,23 @@ class LlavaOnevisionSpec(ModelSpec):
     def build(self, **kwargs: Any) -> nn.Module:
         """:meth:`ModelSpec.build`; on the meta device SigLIP's non-persistent ``position_ids``
         buffer (``arange`` over the view's patches) is made real again, so that
-        lmms_parallel.materialize keeps it (it cannot recompute buffers it does not know)."""
+        lmms_parallel.materialize keeps it (it cannot recompute buffers it does not know).
+
+        SigLIP's ``post_layernorm`` is frozen: LLaVA-OneVision reads the tower's
+        ``hidden_states[vision_feature_layer]``, which come before that norm, so it never gets a
+        gradient; left trainable, the optimizer would hold no state for it and a resumed run's
+        fresh optimizer (which has state for every trainable parameter) could not load the
+        checkpoint. Its weights are still loaded and exported unchanged."""
         model = super().build(**kwargs)
         tower = self.vision_tower(model)
-        emb = getattr(tower, "vision_model", tower).embeddings
+        vision = getattr(tower, "vision_model", tower)
+        emb = vision.embeddings
         if emb.position_ids.is_meta:
             ids = torch.arange(emb.num_positions).expand((1, -1))
             emb.register_buffer("position_ids", ids, persistent=False)
+        post = getattr(vision, "post_layernorm", None)
+        if post is not None:
+            post.requires_grad_(False)
         return model
 
     # ---------------------------------------------------------------- layout
