@@ -128,6 +128,9 @@ def test_meta_build_and_trainer_key_map(tmp_path):
     key_map = pretrained_key_map(str(folder))
     assert key_map is not None and pretrained_key_map(str(tmp_path)) is None
     assert {key_map(k) for k in llada_weights()} == set(model.state_dict())
+    bad = write_llada(tmp_path / "bad", llada_conf(n_layers=LAYERS + 1))
+    with pytest.raises(ValueError, match=r"do not fit its config \(missing \['model.layers.2"):
+        spec.build(pretrained=str(bad))
 
 
 def test_export_writes_llada_names_keys_and_the_same_bytes(tmp_path):

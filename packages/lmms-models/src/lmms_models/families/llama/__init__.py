@@ -105,17 +105,30 @@ class LlamaSpec(ModelSpec):
             raise ValueError("give exactly one of config= or pretrained=")
         conf = llada_config(pretrained)
         device = torch.device(device)
-        model = super().build(
-            config=conf,
-            device="cpu" if device.type != "meta" else device,
-            dtype=dtype,
-            attn_backend=attn_backend,
-            vision_attn_backend=vision_attn_backend,
+        if device.type == "meta":
+            return super().build(
+                config=conf, device=device, dtype=dtype, attn_backend=attn_backend,
+                vision_attn_backend=vision_attn_backend,
+            )  # fmt: skip
+        import transformers
+
+        weights = read_llada_weights(pretrained)  # upstream names
+        hf_config = self.make_config(conf)
+        hf_config._attn_implementation = "sdpa"
+        with torch.device("meta"):  # the expected keys, nothing allocated
+            expected = set(getattr(transformers, self.model_class)(hf_config).state_dict())
+        if hf_config.tie_word_embeddings:  # one table: the head reads the embedding's
+            expected.discard("lm_head.weight")
+        if set(weights) != expected:
+            missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+            raise ValueError(
+                f"{pretrained}: the LLaDA weights do not fit its config "
+                f"(missing {missing[:4]}, unexpected {extra[:4]})"
+            )
+        # from_pretrained with the renamed tensors: no random init of an 8B model first
+        model = getattr(transformers, self.model_class).from_pretrained(
+            None, config=hf_config, state_dict=weights, dtype=dtype
         )
-        if device.type != "meta":
-            weights = read_llada_weights(pretrained)  # upstream names
-            if model.config.tie_word_embeddings:  # one table: the head reads the embedding's
-                weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-            model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
-            model = model.to(device)
+        model = model.to(device)
+        self.set_attention(model, backend=attn_backend, vision_backend=vision_attn_backend)
         return model
