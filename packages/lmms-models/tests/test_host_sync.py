@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lmms_kernels import _attention as kernels_attention
-from lmms_models import get_model_spec
+from lmms_models import ModelSpec, get_model_spec
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -55,7 +55,7 @@ def test_reads_of_upstream_paths_are_found():
     assert "aten::index_put_ (bool index)" in reads  # ... written back
 
     spec = get_model_spec("qwen3_moe")
-    plain = type(spec).__mro__[1].media_context  # ModelSpec's: no prepared mask
+    plain = ModelSpec.media_context  # the base spec's: no prepared mask
     assert _step_reads("qwen3_moe", media_context=lambda model: plain(spec, model)) == [
         "Tensor.__bool__",
         "aten::_local_scalar_dense",
