@@ -118,3 +118,27 @@ def test_synthetic_text_packs_through_the_loader(text_proc, tmp_path, fmt):
         for a, e in itertools.pairwise(cu):  # positions restart in every sample
             assert b["position_ids"][a:e].tolist() == list(range(e - a))
         assert b["num_loss_tokens"] > 0 and "pixel_values" not in b
+
+
+def test_llama3_chat_format_labels_the_answers(text_proc, tmp_path):
+    """A tokenizer with a LLaMA-3-format chat template (LLaDA-8B-Instruct's): the answers and their
+    closing <|eot_id|> are the labels, headers and user turns are not."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(text_proc["path"])
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})  # fmt: skip
+    tok.chat_template = (
+        "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    )
+    tok.save_pretrained(tmp_path / "llama3")
+    proc = ld.build_processor("qwen2", str(tmp_path / "llama3"))
+    out = proc(_chat(("user", "What is 2 plus 3?"), ("assistant", "5"),
+                     ("user", "And 1 plus 1?"), ("assistant", "2")))  # fmt: skip
+    ids, labels = out["input_ids"], out["labels"]
+    sup = labels != IGNORE_INDEX
+    assert tok.decode(ids[sup]) == "5<|eot_id|>2<|eot_id|>"
+    assert (labels[sup] == ids[sup]).all()
+    with pytest.raises(BadRecordError):
+        proc(_chat(("user", "only a question")))
