@@ -107,6 +107,46 @@ def _fsdp_case(name: str, rank: int) -> dict[str, Any]:
     return {"loss": float(total), "loss_1proc": ref_loss, "worst": _compare(ref, grads)}
 
 
+def _encoder_case(rank: int) -> dict[str, Any]:
+    """``place_encoders``: umT5 states with the text encoder FSDP2-sharded over 2 ranks, and with
+    its blocks offloaded, equal the replicated encoder's (each rank encodes its own prompts)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lmms_models import get_encoder, place_encoders
+
+    spec = _spec("wan")
+    conf = spec.tiny_config(text_encoder=dict(vocab_size=64, d_model=16, d_kv=8, d_ff=32,
+                            num_layers=2, num_heads=2, relative_attention_num_buckets=8))  # fmt: skip
+    g = torch.Generator().manual_seed(11 + rank)  # different prompts per rank
+    batch = {"input_ids": torch.randint(2, 64, (2, 6), generator=g),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),
+             "latents": torch.zeros(2, 4, 1, 2, 2)}  # fmt: skip
+    out: dict[str, Any] = {}
+    texts = {}
+    for mode in ("replicate", "shard", "offload"):
+        model = spec.build(config=conf)
+        place_encoders(model, mode, blocks=spec.encoder_blocks, device="cpu",
+                       mesh=init_device_mesh("cpu", (2,)) if mode == "shard" else None)  # fmt: skip
+        texts[mode] = spec.encode_batch(
+            {"text_encoder": get_encoder(model, "text_encoder", torch.device("cpu"))}, batch, "cpu"
+        )[1]
+        enc = get_encoder(model, "text_encoder", torch.device("cpu"))
+        params = list(enc.encoder.block[0].parameters())
+        out[f"{mode}/dtensor"] = all(isinstance(p, DTensor) for p in params)
+        out[f"{mode}/grads"] = any(p.requires_grad for p in enc.parameters())
+    for mode in ("shard", "offload"):
+        out[f"{mode}/worst"] = float((texts[mode] - texts["replicate"]).abs().max())
+    out["nonzero"] = float(texts["replicate"].abs().max()) > 0
+    return out
+
+
+def _spec(name: str):
+    from lmms_models import get_model_spec
+
+    return get_model_spec(name)
+
+
 def run(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -114,7 +154,8 @@ def run(rank: int, world: int, port: int, out: str) -> None:
     res: dict[str, Any] = {}
     for key, fn in (("sp/wan", lambda: _sp_case("wan", dist.group.WORLD)),
                     ("fsdp/sit", lambda: _fsdp_case("sit", rank)),
-                    ("fsdp/wan", lambda: _fsdp_case("wan", rank))):  # fmt: skip
+                    ("fsdp/wan", lambda: _fsdp_case("wan", rank)),
+                    ("encoders/wan", lambda: _encoder_case(rank))):  # fmt: skip
         try:
             res[key] = fn()
         except Exception:

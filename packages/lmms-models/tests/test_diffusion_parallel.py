@@ -50,3 +50,15 @@ def test_fsdp2_two_ranks_equal_one_process(results, family) -> None:
         assert "error" not in got, got.get("error")
         assert got["loss"] == pytest.approx(got["loss_1proc"], rel=1e-5), rank
         assert got["worst"] < 1e-4, (rank, got["worst"])
+
+
+def test_frozen_text_encoder_sharded_or_offloaded_equals_replicated(results) -> None:
+    """``frozen_encoders: shard`` (FSDP2 over 2 ranks) and ``offload`` give the replicated umT5's
+    states exactly; sharded block weights are DTensors; nothing takes gradients."""
+    for rank, res in enumerate(results):
+        got = res["encoders/wan"]
+        assert "error" not in got, got.get("error")
+        assert got["nonzero"], rank
+        assert got["shard/worst"] == 0.0 and got["offload/worst"] == 0.0, (rank, got)
+        assert got["shard/dtensor"] and not got["replicate/dtensor"], rank
+        assert not any(got[f"{m}/grads"] for m in ("replicate", "shard", "offload")), rank

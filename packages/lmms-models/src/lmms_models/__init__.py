@@ -7,7 +7,7 @@ sequence parallel. Adding a family is one folder under ``families/`` (docs/addin
 """
 
 from ._attention import UPSTREAM_BACKENDS, set_attention, text_attention_kwargs
-from ._diffusion import DiffusionSpec, attach_encoder, get_encoder
+from ._diffusion import DiffusionSpec, attach_encoder, get_encoder, place_encoders
 from ._flops import attention_flops
 from ._moe import EXPERTS_EP_PLAN, ExpertLoadMeter, MoESpecMixin, expert_load_meter
 from ._patch_embed import PatchEmbedHandle, linear_patch_embed
@@ -37,6 +37,7 @@ __all__ = [
     "get_model_spec",
     "linear_patch_embed",
     "list_models",
+    "place_encoders",
     "register_model",
     "set_attention",
     "shift_labels_packed",

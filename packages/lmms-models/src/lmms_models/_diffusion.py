@@ -40,6 +40,7 @@ __all__ = [
     "encoders_of",
     "get_encoder",
     "on_device",
+    "place_encoders",
     "require_diffusers",
     "save_encoders",
 ]
@@ -110,6 +111,11 @@ class DiffusionSpec(ModelSpec):
             if config_cls:
                 return cls(getattr(mod, config_cls)(**source))
             return cls(**source)
+
+    def encoder_blocks(self, name: str, encoder: nn.Module) -> list[nn.Module]:
+        """The blocks of frozen encoder ``name`` that ``frozen_encoders: shard | offload`` shard
+        or stream (:func:`place_encoders`); none (the default): the encoder stays replicated."""
+        return []
 
     def attach_encoders(self, model: nn.Module, encoders: dict[str, Any]) -> None:
         """Attach the encoders *lazily*: each is built on first use (:func:`encoders_of`), so a
@@ -256,16 +262,82 @@ def attach_encoder(model: nn.Module, name: str, encoder: nn.Module) -> None:
 
 def encoders_of(model: nn.Module) -> dict[str, nn.Module]:
     """The frozen encoders attached to ``model`` (name -> module; lazily attached ones are
-    built here, once)."""
+    built here, once, and placed as :func:`place_encoders` asked)."""
+    placement = model.__dict__.get(_PLACEMENT)
     for name, build in model.__dict__.pop(_PENDING, {}).items():
-        attach_encoder(model, name, build())
+        enc = build()
+        if placement is not None:
+            _place(enc, name, **placement)
+        attach_encoder(model, name, enc)
     return dict(model.__dict__.get(_FROZEN, {}))
 
 
+FROZEN_ENCODER_MODES = ("replicate", "shard", "offload")
+_PLACEMENT = "_lmms_encoder_placement"
+_PLACED = "_lmms_placed"  # set on an encoder that _place handled: on_device leaves it alone
+
+
+def place_encoders(
+    model: nn.Module,
+    mode: str,
+    *,
+    blocks: Any,
+    device: Any,
+    mesh: Any = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """How the frozen encoders of ``model`` are held when they are built (lazily, on first use).
+
+    ``mode``: ``replicate`` (a full copy on every rank's device, the default), ``shard`` (FSDP2
+    over ``mesh``, one unit per block and the root, weights resharded after every forward: each
+    rank holds ``1/N`` of the weights; every rank of ``mesh`` must encode together, which the
+    trainer's lockstep micro-steps do) or ``offload`` (weights stay in CPU memory; each block is
+    moved to ``device`` just before its forward and back after it; the parts outside the blocks,
+    e.g. the embedding, live on ``device``). ``blocks(name, encoder)`` lists an encoder's blocks;
+    an encoder without blocks (e.g. the VAE) stays replicated. ``dtype``: storage dtype of the
+    placed encoders' weights (``None``: as built, fp32). No gradients in any mode."""
+    if mode not in FROZEN_ENCODER_MODES:
+        raise ValueError(f"frozen_encoders must be one of {FROZEN_ENCODER_MODES}, got {mode!r}")
+    if mode == "shard" and mesh is None:
+        raise ValueError("frozen_encoders: shard needs a device mesh (FSDP2 over the DP ranks)")
+    if mode == "replicate":
+        model.__dict__.pop(_PLACEMENT, None)
+        return
+    model.__dict__[_PLACEMENT] = dict(
+        mode=mode, blocks=blocks, device=torch.device(device), mesh=mesh, dtype=dtype
+    )
+    for name, enc in model.__dict__.get(_FROZEN, {}).items():  # already built ones
+        _place(enc, name, **model.__dict__[_PLACEMENT])
+
+
+def _place(
+    enc: nn.Module, name: str, *, mode: str, blocks: Any, device: torch.device, mesh: Any,
+    dtype: torch.dtype | None,
+) -> None:  # fmt: skip
+    units = list(blocks(name, enc))
+    if not units or getattr(enc, _PLACED, False):
+        return
+    if dtype is not None:
+        enc.to(dtype)
+    if mode == "shard":
+        from lmms_parallel import apply_fsdp
+
+        enc.to(device)
+        apply_fsdp(enc, mesh, blocks=units, param_dtype=None, reshard_after_forward=True)
+    else:  # offload: blocks on the CPU, streamed in around their forward
+        enc.to(device)
+        for block in units:
+            block.to("cpu")
+            block.register_forward_pre_hook(lambda mod, _a: mod.to(device) and None)
+            block.register_forward_hook(lambda mod, _a, _o: mod.to("cpu") and None)
+    enc.__dict__[_PLACED] = mode
+
+
 def on_device(encoders: dict[str, nn.Module], name: str, device: Any) -> nn.Module | None:
-    """``encoders[name]`` moved to ``device`` (once), or None."""
+    """``encoders[name]`` moved to ``device`` (once), or None. Encoders placed by
+    :func:`place_encoders` (sharded or offloaded) are where their placement put them."""
     enc = encoders.get(name)
-    if enc is not None:
+    if enc is not None and not enc.__dict__.get(_PLACED):
         p = next(iter(enc.parameters()), None)
         if p is not None and p.device != torch.device(device):
             enc.to(device)

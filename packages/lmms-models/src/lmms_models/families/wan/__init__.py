@@ -89,6 +89,11 @@ class WanSpec(DiffusionSpec):
         conf.update(overrides)
         return conf
 
+    def encoder_blocks(self, name: str, encoder: nn.Module) -> list[nn.Module]:
+        """umT5's blocks (``frozen_encoders: shard | offload``); the VAE (~0.1B) stays
+        replicated."""
+        return list(encoder.encoder.block) if name == "text_encoder" else []
+
     def make_config(self, config: dict[str, Any]) -> Any:
         """The ``FrozenDict`` config diffusers' class would hold (via a meta-device build)."""
         conf = self._transformer_config(config)
