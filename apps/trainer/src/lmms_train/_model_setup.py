@@ -277,6 +277,7 @@ def build_model(
             key_map = pretrained_key_map(weights) if isinstance(weights, str) else None  # LLaDA
             load_full_state_dict(model, weights if env.rank == 0 else None, key_map=key_map)
             del weights
+    _place_frozen_encoders(model, spec, env, t)
     master = None
     if not env.fsdp and t.bf16:
         from lmms_parallel import MasterWeights
@@ -285,6 +286,31 @@ def build_model(
     return BuiltModel(
         spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles,
         master=master, objective=objective,
+    )  # fmt: skip
+
+
+def _place_frozen_encoders(model: nn.Module, spec: Any, env: DistEnv, t: Any) -> None:
+    """`frozen_encoders`: how a diffusion family's on-the-fly encoders are held (built lazily,
+    on first use, as lmms_models.place_encoders says)."""
+    if t.frozen_encoders == "replicate":
+        return
+    if not hasattr(spec, "encoder_blocks"):
+        raise ConfigError(
+            f"trainer_args.frozen_encoders: {t.frozen_encoders} is for diffusion families with "
+            f"frozen encoders, not {spec.name}"
+        )
+    if t.frozen_encoders == "shard" and not env.fsdp:
+        raise ConfigError("trainer_args.frozen_encoders: shard needs FSDP (trainer_args.fsdp)")
+    from lmms_models import place_encoders
+
+    mesh = None
+    if t.frozen_encoders == "shard":
+        from lmms_parallel import fsdp_mesh
+
+        mesh = fsdp_mesh(env.mesh)
+    place_encoders(
+        model, t.frozen_encoders, blocks=spec.encoder_blocks, device=env.device, mesh=mesh,
+        dtype=torch.bfloat16 if t.bf16 else None,
     )  # fmt: skip
 
 

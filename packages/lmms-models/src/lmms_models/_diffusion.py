@@ -266,6 +266,7 @@ def encoders_of(model: nn.Module) -> dict[str, nn.Module]:
     placement = model.__dict__.get(_PLACEMENT)
     for name, build in model.__dict__.pop(_PENDING, {}).items():
         enc = build()
+        enc.__dict__[_BUILD] = build  # export rebuilds a placed encoder's full weights from it
         if placement is not None:
             _place(enc, name, **placement)
         attach_encoder(model, name, enc)
@@ -274,6 +275,7 @@ def encoders_of(model: nn.Module) -> dict[str, nn.Module]:
 
 FROZEN_ENCODER_MODES = ("replicate", "shard", "offload")
 _PLACEMENT = "_lmms_encoder_placement"
+_BUILD = "_lmms_build"
 _PLACED = "_lmms_placed"  # set on an encoder that _place handled: on_device leaves it alone
 
 
@@ -346,8 +348,11 @@ def on_device(encoders: dict[str, nn.Module], name: str, device: Any) -> nn.Modu
 
 def save_encoders(model: nn.Module, out_dir: str | Path) -> None:
     """Write the attached encoders into ``out_dir/<name>/`` (their own ``save_pretrained``), so
-    an exported folder renders and resumes with the same frozen VAE / text encoder."""
+    an exported folder renders and resumes with the same frozen VAE / text encoder. Not
+    collective: an encoder placed by :func:`place_encoders` is rebuilt whole from its source."""
     for name, enc in encoders_of(model).items():
+        if enc.__dict__.get(_PLACED):  # sharded / offloaded (maybe bf16): a fresh full copy
+            enc = enc.__dict__[_BUILD]()  # from its config (seeded) or folder: the same weights
         enc.save_pretrained(str(Path(out_dir) / name))
 
 

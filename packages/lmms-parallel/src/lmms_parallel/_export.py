@@ -88,10 +88,14 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     """``model``, or for an FSDP2-wrapped transformers model a weightless (meta) instance of its
     own class: transformers finds the key renaming it reverts on save (e.g. Qwen2.5-VL's
     ``model.language_model.*`` back to the hub's ``model.*``) by class name, which FSDP2's
-    wrapper class (``FSDP<Name>``) hides, so the wrapped model would write its internal names."""
+    wrapper class (``FSDP<Name>``) hides, so the wrapped model would write its internal names.
+    A ``save_pretrained`` set on the instance (a family that writes its own layout from the
+    ``state_dict=`` it is given) is kept: the twin, built from the class, would not have it."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule) or not hasattr(model, "config"):
+        return model
+    if "save_pretrained" in model.__dict__:  # the instance's own writer (e.g. lmms' wan) wins
         return model
     cls = next(c for c in type(model).__mro__[1:] if not issubclass(c, FSDPModule))
     with torch.device("meta"):  # eager attention: the run's may be registered under any name

@@ -380,6 +380,13 @@ class TrainerArgs:
         "FSDP2: keep sharded parameters, gradients and optimizer state in host memory (slow; "
         "for models that do not fit otherwise).",
     )
+    frozen_encoders: Literal["replicate", "shard", "offload"] = _f(
+        "replicate",
+        "Diffusion families with on-the-fly encoding (wan's umT5): `replicate` a full copy on "
+        "every rank; `shard` FSDP2 per block over the FSDP ranks (needs `fsdp`; bf16 weights "
+        "when `bf16`); `offload` weights in CPU memory, each block moved in for its forward. "
+        "See docs/diffusion.md.",
+    )
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "`auto`: CUDA if available, else CPU.")
     # evaluation
     eval_steps: int = _f(
