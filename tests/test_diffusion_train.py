@@ -114,10 +114,11 @@ def test_wan_on_the_fly_render_precompute_and_train_from_shards(tmp_path: Path) 
 
 @pytest.mark.multiprocess
 def test_wan_fsdp_two_ranks_sharded_text_encoder_trains_and_exports(tmp_path: Path) -> None:
-    """`torchrun` 2 CPU ranks, FSDP2, `frozen_encoders: shard` (umT5 FSDP2-sharded, encoding on
-    the fly): the run trains and its export is Wan's diffusers layout (the family's own writer,
-    not a twin rebuilt from the class) with the frozen encoders whole, equal to a 1-process
-    run's export of the same seeded encoders; the exported folder loads strictly."""
+    """`torchrun` 2 CPU ranks (batch 2 each), FSDP2, `frozen_encoders: shard` (umT5 FSDP2-sharded,
+    encoding on the fly) against 1 process (batch 4): the losses are equal, and the export is
+    Wan's diffusers layout (the family's own writer, not a twin rebuilt from the class) with the
+    1-process run's trained weights and its frozen encoders whole (bit for bit); it loads
+    strictly."""
     import torch
     from e2e_helpers import run_cli
     from safetensors.torch import load_file
@@ -125,13 +126,14 @@ def test_wan_fsdp_two_ranks_sharded_text_encoder_trains_and_exports(tmp_path: Pa
     from lmms_models import get_model_spec
 
     proc = f"model_config.processor_path={tmp_path / 'processor'}"
-    args = ["dataset_config.extra.batch_size=2", "trainer_args.max_steps=2",
+    args = ["trainer_args.max_steps=2",
             "trainer_args.save_steps=0", "trainer_args.report_to=[]", "trainer_args.eval_steps=0",
             f"dataset_config.dataset_path={tmp_path / 'data'}",
             "dataset_config.generate_synthetic.num_samples=32", proc]  # fmt: skip
     runs = {}
-    for name, nproc, extra in (("one", 1, []),
-                               ("two", 2, ["trainer_args.fsdp=true",
+    for name, nproc, extra in (("one", 1, ["dataset_config.extra.batch_size=4"]),
+                               ("two", 2, ["dataset_config.extra.batch_size=2",
+                                           "trainer_args.fsdp=true",
                                            "trainer_args.frozen_encoders=shard"])):  # fmt: skip
         out = tmp_path / name
         res = run_cli([str(EXAMPLES / "wan" / "tiny_cpu.yaml"), *args,
@@ -139,6 +141,9 @@ def test_wan_fsdp_two_ranks_sharded_text_encoder_trains_and_exports(tmp_path: Pa
         assert res.returncode == 0, res.stderr[-3000:]
         assert len(_losses(out)) == 2
         runs[name] = out / "hf"
+    want, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")  # same global batch of 4
+    assert got.keys() == want.keys()
+    assert all(got[k] == pytest.approx(want[k], rel=1e-5) for k in want), (got, want)
     for part in ("text_encoder", "vae"):
         (a,) = sorted((runs["one"] / part).glob("*.safetensors"))
         (b,) = sorted((runs["two"] / part).glob("*.safetensors"))
@@ -148,4 +153,6 @@ def test_wan_fsdp_two_ranks_sharded_text_encoder_trains_and_exports(tmp_path: Pa
     two = load_file(str(runs["two"] / "diffusion_pytorch_model.safetensors"))
     assert one.keys() == two.keys()
     assert all(one[k].shape == two[k].shape for k in one)
+    for k in one:  # the exported trained weights are the 1-process run's
+        torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=1e-6)
     get_model_spec("wan").build(pretrained=str(runs["two"]))  # strict load, encoders attached
