@@ -4,6 +4,8 @@ modules' parameter counts, the dummy tower input, and the instance patch being s
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -287,8 +289,112 @@ def test_aero_checkpoint_layout_round_trip(tmp_path):
     assert spec.build(pretrained=str(tmp_path), device="meta").language_model.lm_head.weight.is_meta
 
 
+def _omni3_samples():
+    return [
+        OmniSampleSpec(text=10, prompt=2),
+        OmniSampleSpec(text=1, prompt=0),  # a length-1 sample
+        OmniSampleSpec(text=4, images=[(1, 4, 4)], audios=[150]),  # a 2-chunk clip
+        # video (2 s per temporal patch: integral TMRoPE times), an image, clips of 45, 8 (one
+        # token) and 120 frames, every modality in one sample. Every audio sample has a full
+        # 100-frame chunk: upstream pads chunks to its batch's longest, which moves the edge
+        # frames of shorter chunks (~1e-5 on the first convolution's bias gradient); a pack
+        # pads to the pack's longest.
+        OmniSampleSpec(
+            text=3,
+            videos=[(2, 4, 4)],
+            images=[(1, 2, 6)],
+            audios=[45, 8, 120],
+            second_per_grid=2.0,
+        ),
+        OmniSampleSpec(text=5, videos=[(2, 2, 2)], audios=[250], second_per_grid=2.0),
+    ]
+
+
+def omni3_pack(aux: bool, samples=None):
+    torch.manual_seed(0)
+    spec = get_model_spec("qwen3_omni_moe")
+    moe = {"output_router_logits": aux, "router_aux_loss_coef": 0.01}
+    model = spec.build(config=spec.tiny_config(text_config=moe), attn_backend="sdpa")
+    gen = torch.Generator().manual_seed(1)
+    made = [make_omni_sample(spec, model.config, s, gen=gen) for s in samples or _omni3_samples()]
+    total = sum(s["input_ids"].numel() for s in made)
+    return spec, model, made, pack_audio_samples(spec, model, made, pad_to=total + 3)
+
+
+@pytest.mark.parametrize("experts", ["eager", "grouped"])
+def test_omni3_packed_matches_unpacked_upstream(experts):
+    """Qwen3-Omni-MoE thinker: a pack of text, image, video and audio samples (audio tower on
+    host-precomputed chunks and windows, deepstack at host positions, routed experts) ==
+    upstream's unpacked thinker, loss and every gradient."""
+    spec, model, samples, batch = omni3_pack(aux=False)
+    ref, n_ref = audio_reference_loss_sum(spec, model, samples)
+    ref.backward()
+    g_ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+    spec.set_attention(model, backend="varlen_sdpa")
+    spec.set_experts(model, experts)
+    loss, count = spec.packed_forward(model, batch)
+    loss.backward()
+    g = _grads(model)
+    assert int(count) == n_ref == batch["num_loss_tokens"]
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    assert g.keys() == g_ref.keys()
+    for part in ("audio_tower.layers", "audio_tower.conv2d1", "visual.merger_list",
+                 "mlp.experts", "mlp.gate"):  # fmt: skip
+        assert any(part in k for k in g), part
+    for k in g_ref:
+        torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-5, msg=k)  # grads ~1-10
+
+
+def test_omni3_router_aux_loss_matches_upstream():
+    """One image + audio + video sample with the router aux loss on: the packed loss is
+    upstream's ``loss + coef · aux`` (the aux is per pack, so one sample is the exact
+    reference), gradients included."""
+    one = [OmniSampleSpec(text=6, images=[(1, 4, 4)], videos=[(2, 2, 2)], audios=[150],
+                          second_per_grid=2.0)]  # fmt: skip
+    spec, model, samples, batch = omni3_pack(aux=True, samples=one)
+    s = samples[0]
+    out = model(input_ids=s["input_ids"][None], labels=s["labels"][None], use_cache=False,
+                **s["ref_kwargs"])  # fmt: skip
+    assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0.5
+    out.loss.backward()
+    g_ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+    spec.set_attention(model, backend="varlen_sdpa")
+    loss, n = spec.packed_forward(model, batch)
+    (loss / n).backward()
+    torch.testing.assert_close(loss.detach() / n, out.loss.detach(), rtol=1e-5, atol=1e-6)
+    lm_only = out.loss.detach() - 0.01 * out.aux_loss.detach()
+    assert abs(float(loss.detach() / n - lm_only)) > 1e-4  # the aux term is really in it
+    g = _grads(model)
+    assert g.keys() == g_ref.keys()
+    for k in g_ref:
+        torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-5, msg=k)  # grads ~1-10
+
+
+def test_omni3_hooks_tokens_and_flops():
+    from lmms_models.families.qwen3_omni_moe import omni3_audio_tokens
+
+    spec = get_model_spec("qwen3_omni_moe")
+    model = spec.build(config=spec.tiny_config(), device="meta")
+    tower, visual = spec.audio_tower(model), spec.vision_tower(model)
+    assert spec.vision_blocks(model) == [*visual.blocks, *tower.layers]
+    assert spec.audio_tower(model).positional_embedding.positional_embedding.device.type == "cpu"
+    lens = torch.tensor([8, 45, 100, 150, 250, 1000])
+    upstream = importlib.import_module(type(tower).__module__)._get_feat_extract_output_lengths
+    assert torch.equal(omni3_audio_tokens(lens, 50), upstream(lens, 50))
+    assert omni3_audio_tokens(lens, 50).tolist() == [1, 6, 13, 20, 33, 130]
+    grid = torch.tensor([[1, 4, 4]])
+    vision = spec.media_flops(model.config, {"image_grid_thw": grid})
+    both = spec.media_flops(model.config, {"image_grid_thw": grid, "audio_feature_lens": lens})
+    assert vision == pytest.approx(spec.vision_flops(model.config, grid)) and both > vision
+    n = lambda mods: sum(p.numel() for m in mods for p in m.parameters() if p.dim() > 1)  # noqa: E731
+    # 6 · (matrix parameters outside the convolutions) per output token: the lower bound
+    assert both - vision > 6 * n([tower.layers, tower.conv_out, tower.proj1, tower.proj2]) * 203
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [*AUDIO_FAMILIES, "qwen2_5_omni"])
+@pytest.mark.parametrize("name", [*AUDIO_FAMILIES, "qwen2_5_omni", "qwen3_omni_moe"])
 def test_audio_packed_matches_unpacked_on_gpu(name):
     """The real kernels (bf16 autocast, every available flash backend, head dim 64 in the
     decoder and 32 in the towers) against the unpacked reference on the GPU."""
@@ -297,6 +403,14 @@ def test_audio_packed_matches_unpacked_on_gpu(name):
     spec = get_model_spec(name)
     torch.manual_seed(0)
     text = {"num_attention_heads": 1, "num_key_value_heads": 1}
+    if name == "qwen3_omni_moe":
+        text["head_dim"] = 64
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 1e4,
+            "mrope_section": [12, 10, 10],
+            "mrope_interleaved": True,
+        }
     if name == "qwen2_5_omni":
         text["rope_parameters"] = {
             "rope_type": "default",
@@ -308,6 +422,8 @@ def test_audio_packed_matches_unpacked_on_gpu(name):
     gen = torch.Generator().manual_seed(1)
     if name == "qwen2_5_omni":
         samples = [make_omni_sample(spec, model.config, s, gen=gen) for s in _omni_samples()]
+    elif name == "qwen3_omni_moe":
+        samples = [make_omni_sample(spec, model.config, s, gen=gen) for s in _omni3_samples()]
     else:
         samples = [make_audio_sample(spec, model.config, s, gen=gen) for s in _samples()]
     batch = pack_audio_samples(spec, model, samples, pad_to=0)

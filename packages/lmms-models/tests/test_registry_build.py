@@ -20,7 +20,7 @@ FAMILIES = [
 ]
 DIFFUSION_FAMILIES = ["sit", "wan"]  # flow matching: tests/test_diffusion_families.py
 # audio towers: tests/test_audio_families.py
-AUDIO_FAMILIES = ["aero", "qwen2_5_omni", "qwen2_audio"]
+AUDIO_FAMILIES = ["aero", "qwen2_5_omni", "qwen2_audio", "qwen3_omni_moe"]
 # linear attention (Gated DeltaNet): tests/test_linear_families.py
 LINEAR_FAMILIES = ["fla_gated_deltanet", "qwen3_5", "qwen3_5_moe"]
 UNIFIED_FAMILIES = ["bagel"]  # own module, CE + flow matching: tests/test_bagel.py

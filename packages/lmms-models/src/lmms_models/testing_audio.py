@@ -206,7 +206,7 @@ def make_omni_sample(
             continue
         frames = s.video_audio[i]
         clips.append(frames)
-        n_aud = int(whisper_lengths(torch.tensor(frames))[1])
+        n_aud = int(spec.audio_token_lengths(torch.tensor([frames]), ac)[0])  # type: ignore[attr-defined]
         per = int(config.position_id_per_seconds * config.seconds_per_chunk)
         t_idx = (torch.arange(t) * s.second_per_grid * config.position_id_per_seconds).long()
         v_vals = t_idx.repeat_interleave(n_vid // t)
@@ -220,7 +220,7 @@ def make_omni_sample(
         ids += [ae, ve, *rand(1)]
     for frames in s.audios:
         clips.append(frames)
-        n_aud = int(whisper_lengths(torch.tensor(frames))[1])
+        n_aud = int(spec.audio_token_lengths(torch.tensor([frames]), ac)[0])  # type: ignore[attr-defined]
         ids += [as_] + [config.audio_token_id] * n_aud + [ae] + rand(1)
     ids += rand(s.text)
     input_ids = torch.tensor(ids, dtype=torch.long)

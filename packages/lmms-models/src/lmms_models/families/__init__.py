@@ -15,6 +15,7 @@ from . import (  # noqa: F401
     qwen3_5,
     qwen3_5_moe,
     qwen3_moe,
+    qwen3_omni_moe,
     qwen3_vl,
     qwen3_vl_moe,
     sit,

@@ -202,24 +202,40 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
                 raise ValueError("audio in a pack needs mm_token_type_ids (3 on audio tokens)")
             lens = audio["audio_feature_lens"].reshape(-1).long().cpu()
             features = to_device(audio["input_features"], dev).transpose(0, 1)  # [M, F]
-            feats = tower(
-                input_features=features,
-                feature_lens=to_device(lens, dev),
-                aftercnn_lens=to_device(whisper_lengths(lens)[0], dev),
-                **self.host_audio_inputs(tower, features, lens),
-            ).last_hidden_state  # [N, H]
+            feats = self.run_audio_tower(tower, features, lens)  # [N, H]
             embeds = merge_audio(embeds, types, feats)
-        elif distributed:  # the smallest clip: 4 frames, one token
-            dummy = tower(
-                input_features=torch.zeros(tower.conv1.weight.shape[1], 4, device=dev),
-                feature_lens=torch.tensor([4], device=dev),
-                aftercnn_lens=torch.tensor([2], device=dev),
-            ).last_hidden_state
-            zero = zero + dummy.float().sum() * 0.0
+        elif distributed:
+            zero = zero + self.dummy_audio(tower, dev).float().sum() * 0.0
         dropped = ("input_ids", "mm_token_type_ids", "pixel_values", "pixel_values_videos",
                    "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "inputs_embeds")  # fmt: skip
         kept = {k: v for k, v in out.items() if k not in dropped}
         return {**kept, "inputs_embeds": embeds + zero.to(embeds.dtype)}
+
+    def audio_token_lengths(self, frames: torch.Tensor, audio_config: Any = None) -> torch.Tensor:
+        """Text placeholders per clip of ``frames [n]`` valid mel frames (any config)."""
+        return whisper_lengths(frames)[1]
+
+    def run_audio_tower(
+        self, tower: nn.Module, features: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """The tower on the pack's clips: ``features [M, F]`` (mel bins, concatenated valid
+        frames) on the device, host ``lens [n]`` -> ``[N, H]`` features in clip order."""
+        dev = features.device
+        return tower(
+            input_features=features,
+            feature_lens=to_device(lens, dev),
+            aftercnn_lens=to_device(whisper_lengths(lens)[0], dev),
+            **self.host_audio_inputs(tower, features, lens),
+        ).last_hidden_state
+
+    def dummy_audio(self, tower: nn.Module, device: torch.device) -> torch.Tensor:
+        """The tower on its smallest clip (4 frames, one token): every parameter in the graph
+        for a rank whose pack has no audio."""
+        return tower(
+            input_features=torch.zeros(tower.conv1.weight.shape[1], 4, device=device),
+            feature_lens=torch.tensor([4], device=device),
+            aftercnn_lens=torch.tensor([2], device=device),
+        ).last_hidden_state
 
     def host_audio_inputs(
         self, tower: nn.Module, features: torch.Tensor, lens: torch.Tensor

@@ -1,0 +1,193 @@
+"""Qwen3-Omni-MoE thinker (``Qwen3OmniMoeThinkerForConditionalGeneration``): the text-generating
+part of Qwen3-Omni (talker and code2wav are not trained). The Qwen3-VL vision tower with
+deepstack, an audio encoder of three stride-2 2-D convolutions over ``2·n_window``-frame chunks
+followed by transformer blocks attending within ``n_window_infer``-frame windows (varlen by
+construction), and a Qwen3-MoE decoder (top-k routed experts, router aux loss) with TMRoPE:
+``[4, T]`` positions (text row + 3 interleaved M-RoPE rows), video time at
+``position_id_per_seconds``.
+
+Built from three existing parts, none re-implemented:
+
+* audio, TMRoPE positions, the two-tower participation order: :class:`Qwen2_5OmniSpec`
+  (only the tower call, its host-precomputed inputs and the clip-to-token rule differ);
+* vision with deepstack at host positions: :class:`~lmms_models.families.qwen3_vl.Qwen3VLSpec`;
+* everything sparse: :class:`lmms_models.MoESpecMixin`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ... import _flops
+from ..._moe import MoESpecMixin
+from ..._registry import register_model
+from ..._spec import to_device
+from ..._vl import merge_tiny
+from ..qwen2_5_omni import Qwen2_5OmniSpec
+from ..qwen3_moe import prepared_empty_mask
+from ..qwen3_vl import _TINY as _QWEN3_VL_TINY
+from ..qwen3_vl import Qwen3VLSpec
+from ..qwen3_vl_moe import QWEN3_VL_30B_A3B
+
+__all__ = ["QWEN3_OMNI_30B_A3B", "Qwen3OmniMoeSpec", "omni3_audio_tokens"]
+
+_MODULE = "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe"
+
+#: Qwen3-Omni-30B-A3B's thinker shape (random weights: benchmarks and GPU examples): the
+#: Qwen3-VL-30B-A3B decoder and vision tower, a 32-layer 1280-wide audio encoder projecting to 2048.
+QWEN3_OMNI_30B_A3B: dict[str, Any] = {
+    "text_config": {
+        **QWEN3_VL_30B_A3B["text_config"], "vocab_size": 152064,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                            "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+        "max_position_embeddings": 65536,
+    },
+    "vision_config": {**QWEN3_VL_30B_A3B["vision_config"]},
+    "audio_config": {
+        "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20,
+        "encoder_ffn_dim": 5120, "num_mel_bins": 128, "max_source_positions": 1500,
+        "n_window": 50, "n_window_infer": 800, "downsample_hidden_size": 480,
+        "output_dim": 2048,
+    },
+    "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656,
+    "audio_start_token_id": 151669, "audio_end_token_id": 151670,
+    "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "position_id_per_seconds": 13, "seconds_per_chunk": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+
+_TINY: dict[str, Any] = {
+    **merge_tiny(
+        _QWEN3_VL_TINY,
+        {
+            "text_config": {
+                "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+                "router_aux_loss_coef": 0.001,
+            }
+        },
+    ),
+    "audio_config": {
+        "d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+        "num_mel_bins": 128, "max_source_positions": 1500, "n_window": 50,
+        "n_window_infer": 200, "downsample_hidden_size": 8, "output_dim": 64,
+        "conv_chunksize": 500,
+    },
+    "audio_token_id": 1006, "audio_start_token_id": 1007, "audio_end_token_id": 1008,
+    "position_id_per_seconds": 25, "seconds_per_chunk": 2, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def omni3_audio_tokens(frames: torch.Tensor, n_window: int) -> torch.Tensor:
+    """Audio-encoder outputs per clip of ``frames [n]`` mel frames: every full ``2·n_window``
+    chunk gives the length after three stride-2 convolutions of the full chunk, the remainder
+    chunk likewise (the same rule as upstream's ``_get_feat_extract_output_lengths``)."""
+    frames = torch.as_tensor(frames).long()
+    chunk = 2 * n_window
+    down = lambda n: (((n - 1) // 2 + 1 - 1) // 2 + 1 - 1) // 2 + 1  # noqa: E731
+    rest = frames % chunk
+    return torch.where(rest > 0, down(rest), 0) + (frames // chunk) * down(torch.tensor(chunk))
+
+
+@register_model("qwen3_omni_moe")
+class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
+    processor_family = "qwen3_omni_moe"
+    config_class = "Qwen3OmniMoeThinkerConfig"
+    model_class = "Qwen3OmniMoeThinkerForConditionalGeneration"
+    aux_loss_module = "qwen3_omni_moe"
+    mrope_rows_only = False  # [4, T]: the text model reads the text row itself
+    #: Its decoder has no ``{layer type: mask}`` branch: the empty prepared mask of Qwen3-MoE.
+    mask_mapping = False
+    prepared_mask = True
+    presets = {"30b_a3b": QWEN3_OMNI_30B_A3B}  # noqa: RUF012
+
+    # Qwen3-VL's vision side (the MRO would otherwise reach Qwen2.5-VL's first).
+    host_vision_inputs = Qwen3VLSpec.host_vision_inputs
+    vision_matmul_params = Qwen3VLSpec.vision_matmul_params
+    vision_flops = Qwen3VLSpec.vision_flops
+
+    @contextlib.contextmanager
+    def media_context(self, model: nn.Module) -> Iterator[None]:
+        """Qwen3-VL's (tower hook, deepstack by index) and the empty prepared mask."""
+        with Qwen3VLSpec.media_context(self, model), prepared_empty_mask(self.text_model(model)):
+            yield
+
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        out = merge_tiny(_TINY, {k: v for k, v in overrides.items() if k != "audio_config"})
+        if isinstance(overrides.get("audio_config"), dict):
+            out["audio_config"] = {**out["audio_config"], **overrides["audio_config"]}
+        return out
+
+    def audio_token_lengths(self, frames: torch.Tensor, audio_config: Any) -> torch.Tensor:
+        """Text placeholders per clip of ``frames [n]`` mel frames."""
+        return omni3_audio_tokens(frames, _flops._get(audio_config, "n_window"))
+
+    def run_audio_tower(
+        self, tower: nn.Module, features: torch.Tensor, lens: torch.Tensor
+    ) -> torch.Tensor:
+        """``features [M, F]`` (mel bins, concatenated valid frames), host ``lens [n]`` ->
+        ``[N, H]``, the chunking and windows computed on the host (:meth:`host_audio_inputs`)."""
+        return tower(
+            input_features=features,
+            feature_lens=to_device(lens, features.device),
+            **self.host_audio_inputs(tower, features, lens),
+        ).last_hidden_state
+
+    def dummy_audio(self, tower: nn.Module, device: torch.device) -> torch.Tensor:
+        """The smallest clip (8 frames, one token) through every tower parameter."""
+        mels = tower.config.num_mel_bins
+        return self.run_audio_tower(tower, torch.zeros(mels, 8, device=device), torch.tensor([8]))
+
+    def host_audio_inputs(
+        self, tower: nn.Module, features: torch.Tensor, lens: torch.Tensor
+    ) -> dict[str, Any]:
+        """Chunks (padded on the device, split by host lengths), valid indices and window
+        ``cu_seqlens`` from the host ``lens [n]`` by transformers' own helpers, which the tower
+        takes precomputed where the installed transformers has them (empty otherwise)."""
+        module = importlib.import_module(_MODULE)
+        helpers = ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens")
+        if not all(hasattr(module, h) for h in helpers):
+            return {}
+        n_window, dev = tower.n_window, features.device
+        chunk_num = (lens + 2 * n_window - 1) // (2 * n_window)
+        chunks = torch.full((int(chunk_num.sum()),), 2 * n_window, dtype=torch.long)
+        tails = chunk_num.cumsum(0) - 1
+        rest = lens % (2 * n_window)
+        chunks[tails] = torch.where(rest == 0, 2 * n_window, rest)
+        pieces = features.T.split(chunks.tolist(), dim=0)
+        padded = nn.utils.rnn.pad_sequence(pieces, batch_first=True).transpose(1, 2)
+        cu = module.get_audio_cu_seqlens(chunks, lens, tower.n_window_infer, n_window)
+        return {
+            "padded_feature": padded,  # [chunks, M, 2·n_window]
+            "chunk_lengths": to_device(chunks, dev),
+            "valid_indices": to_device(module.get_valid_indices(chunks, n_window), dev),
+            "cu_seqlens": to_device(cu, dev),
+            "max_seqlen": int((cu[1:] - cu[:-1]).max()),
+        }
+
+    def media_flops(self, config: Any, batch: dict[str, Any]) -> float:
+        """Vision (Qwen3-VL) plus the audio tower at ``6·N`` per output token over its matrix
+        parameters (the convolutions counted per output position they produce)."""
+        total = Qwen3VLSpec.media_flops(self, config, batch)
+        lens = batch.get("audio_feature_lens")
+        if lens is None or not len(lens):
+            return total
+        ac = config.audio_config
+        g = lambda k: _flops._get(ac, k)  # noqa: E731
+        d, ffn, layers = g("d_model"), g("encoder_ffn_dim"), g("encoder_layers")
+        c, f1 = g("downsample_hidden_size"), (g("num_mel_bins") + 1) // 2
+        f2, tokens = (
+            (f1 + 1) // 2,
+            float(omni3_audio_tokens(torch.as_tensor(lens), g("n_window")).sum()),
+        )
+        f3 = (f2 + 1) // 2
+        # per output token: the blocks, conv_out, proj1, proj2; the three 3x3 convolutions at
+        # 4, 2 and 1 time steps per token (stride 2 each) over f1, f2, f3 frequency rows
+        per_token = layers * (4 * d * d + 2 * d * ffn) + c * f3 * d + d * d + d * g("output_dim")
+        per_token += 9 * c * 4 * f1 + 9 * c * c * 2 * f2 + 9 * c * c * f3
+        return total + 6.0 * per_token * tokens
