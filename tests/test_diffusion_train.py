@@ -156,3 +156,23 @@ def test_wan_fsdp_two_ranks_sharded_text_encoder_trains_and_exports(tmp_path: Pa
     for k in one:  # the exported trained weights are the 1-process run's
         torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=1e-6)
     get_model_spec("wan").build(pretrained=str(runs["two"]))  # strict load, encoders attached
+
+
+def test_frozen_encoders_are_checked_before_training(tmp_path: Path, capsys) -> None:
+    """`frozen_encoders: shard` on one process without FSDP, or any placement on a family without
+    a placeable encoder (sit: its VAE only), is a config error naming the key (before any step)."""
+    from e2e_helpers import expect_failure
+
+    from lmms_train.cli import main
+
+    base = [f"dataset_config.dataset_path={tmp_path / 'data'}",
+            "dataset_config.generate_synthetic.num_samples=16",
+            f"trainer_args.output_dir={tmp_path / 'run'}", "trainer_args.report_to=[]",
+            "trainer_args.frozen_encoders=shard", "trainer_args.fsdp=false"]  # fmt: skip
+    expect_failure(main, [str(EXAMPLES / "wan" / "tiny_cpu.yaml"), *base,
+                          f"model_config.processor_path={tmp_path / 'processor'}"],
+                   capsys, "frozen_encoders: shard needs FSDP")  # fmt: skip
+    expect_failure(main, [str(EXAMPLES / "sit" / "tiny_cpu.yaml"), *base[1:-2],
+                          f"dataset_config.dataset_path={tmp_path / 'shapes'}",
+                          "trainer_args.frozen_encoders=offload"],
+                   capsys, "frozen_encoders: offload is for families with a frozen text")  # fmt: skip

@@ -62,3 +62,27 @@ def test_sit_b2_step_bf16() -> None:
         opt.zero_grad()
         losses.append(float(loss))
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_wan_text_encoder_offload_streams_blocks_and_equals_replicate() -> None:
+    """``frozen_encoders: offload`` on CUDA: umT5's blocks live on the CPU between forwards and
+    its states equal the replicated (on-GPU) encoder's."""
+    from lmms_models import get_encoder, place_encoders
+
+    spec = get_model_spec("wan")
+    conf = spec.tiny_config(text_encoder=dict(vocab_size=256, d_model=64, d_kv=16, d_ff=128,
+                            num_layers=3, num_heads=4, relative_attention_num_buckets=8))  # fmt: skip
+    ids = torch.randint(2, 256, (2, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "latents": torch.zeros(2, 4, 1, 2, 2)}  # fmt: skip
+    states = {}
+    for mode in ("replicate", "offload"):
+        model = spec.build(config=conf)
+        place_encoders(model, mode, blocks=spec.encoder_blocks, device="cuda")
+        enc = get_encoder(model, "text_encoder", torch.device("cuda"))
+        states[mode] = spec.encode_batch({"text_encoder": enc}, batch, "cuda")[1]
+        where = {p.device.type for p in enc.encoder.block.parameters()}
+        assert where == ({"cpu"} if mode == "offload" else {"cuda"}), (mode, where)
+        assert enc.shared.weight.device.type == "cuda"
+    assert states["offload"].device.type == "cuda"
+    torch.testing.assert_close(states["offload"], states["replicate"], rtol=1e-5, atol=1e-5)

@@ -190,6 +190,13 @@ def build_model(
     m, t = cfg.model_config, cfg.trainer_args
     if t.fsdp_cpu_offload and not env.fsdp:
         raise ConfigError("trainer_args.fsdp_cpu_offload needs FSDP: set trainer_args.fsdp: true")
+    if t.frozen_encoders != "replicate" and not getattr(spec, "placeable_encoders", ()):
+        raise ConfigError(
+            f"trainer_args.frozen_encoders: {t.frozen_encoders} is for families with a frozen "
+            f"text encoder run on the fly (wan), not {spec.name}"
+        )
+    if t.frozen_encoders == "shard" and not env.fsdp:
+        raise ConfigError("trainer_args.frozen_encoders: shard needs FSDP: set trainer_args.fsdp")
     handles: list[Any] = []
     meta = env.fsdp and m.load_from_pretrained_path is not None
     weights: Any = m.load_from_pretrained_path  # what rank 0 broadcasts into the shards
@@ -291,16 +298,9 @@ def build_model(
 
 def _place_frozen_encoders(model: nn.Module, spec: Any, env: DistEnv, t: Any) -> None:
     """`frozen_encoders`: how a diffusion family's on-the-fly encoders are held (built lazily,
-    on first use, as lmms_models.place_encoders says)."""
+    on first use, as lmms_models.place_encoders says); the config was checked in build_model."""
     if t.frozen_encoders == "replicate":
         return
-    if not hasattr(spec, "encoder_blocks"):
-        raise ConfigError(
-            f"trainer_args.frozen_encoders: {t.frozen_encoders} is for diffusion families with "
-            f"frozen encoders, not {spec.name}"
-        )
-    if t.frozen_encoders == "shard" and not env.fsdp:
-        raise ConfigError("trainer_args.frozen_encoders: shard needs FSDP (trainer_args.fsdp)")
     from lmms_models import place_encoders
 
     mesh = None

@@ -83,6 +83,7 @@ class DiffusionSpec(ModelSpec):
     synthetic_kind: str = ""  # lmms-train's generate_synthetic default for the family
     # name -> (library, model class, config class or "" for diffusers' own configs)
     encoder_classes: dict[str, tuple[str, str, str]] = {}  # noqa: RUF012
+    placeable_encoders: tuple[str, ...] = ()  # encoders that encoder_blocks splits
 
     def split_encoders(self, config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(transformer config, {encoder name: config dict or local path})``. Token ids that

@@ -75,6 +75,7 @@ class WanSpec(DiffusionSpec):
     presets = PRESETS
     objective_defaults = {"convention": "rectified_flow", "shift": 5.0}  # noqa: RUF012
     synthetic_kind = "clips"
+    placeable_encoders = ("text_encoder",)
     encoder_classes = {  # noqa: RUF012
         "vae": ("diffusers", "AutoencoderKLWan", ""),
         "text_encoder": ("transformers", "UMT5EncoderModel", "UMT5Config"),
