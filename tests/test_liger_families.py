@@ -26,5 +26,8 @@ def test_family_has_liger_plan_naming_its_modules(family):
     classes = {type(m).__name__ for m in model.modules()}
     plan = LIGER_FAMILIES[family]
     assert set(plan.rms_norm) & classes, (family, plan.rms_norm)
-    if family not in ("qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe") or set(plan.mlp) & classes:
+    if (
+        family not in ("qwen3_moe", "qwen3_vl_moe", "qwen3_omni_moe", "qwen3_5_moe")
+        or set(plan.mlp) & classes
+    ):
         assert set(plan.mlp) & classes, (family, plan.mlp)

@@ -20,6 +20,7 @@ qwen3_vl_moe          Qwen3VLMoeTextRMSNorm                       Qwen3VLMoeText
 llava_onevision       Qwen2RMSNorm                                Qwen2MLP
 qwen2_audio, aero     Qwen2RMSNorm                                Qwen2MLP
 qwen2_5_omni          Qwen2_5OmniRMSNorm                          Qwen2MLP (text), Qwen2_5OmniMLP (vision)
+qwen3_omni_moe        Qwen3OmniMoe(Thinker)TextRMSNorm            Qwen3OmniMoeThinkerTextMLP (dense layers)
 qwen3_5 (+ _moe)      Qwen3_5RMSNorm: x * (1 + w), "gemma" mode   Qwen3_5MLP (dense / shared expert)
 ====================  ==========================================  ==============================
 
@@ -97,6 +98,12 @@ LIGER_FAMILIES: dict[str, _FamilySpec] = {
     ),
     # sparse decoders: norms everywhere, dense MLPs only where a layer is dense (often none)
     "qwen3_vl_moe": _FamilySpec(rms_norm=("Qwen3VLMoeTextRMSNorm",), mlp=("Qwen3VLMoeTextMLP",)),
+    # Qwen3-Omni-MoE thinker: decoder norms (incl. q/k) and the final norm; the audio tower's
+    # LayerNorm/GELU and the vision tower's GELU MLP stay upstream
+    "qwen3_omni_moe": _FamilySpec(
+        rms_norm=("Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3OmniMoeTextRMSNorm"),
+        mlp=("Qwen3OmniMoeThinkerTextMLP",),
+    ),
     # Qwen3.5: zero-centred RMSNorm weight, x * (1 + w) in fp32 (the gated norm inside the
     # Gated DeltaNet mixer stays upstream); the vision tower's MLP is GELU (not patched)
     "qwen3_5": _FamilySpec(
@@ -110,7 +117,7 @@ LIGER_FAMILIES: dict[str, _FamilySpec] = {
     ),
 }
 # families whose MLP may legitimately be absent (all layers sparse)
-_MLP_OPTIONAL = frozenset({"qwen3_moe", "qwen3_vl_moe", "qwen3_5_moe"})
+_MLP_OPTIONAL = frozenset({"qwen3_moe", "qwen3_vl_moe", "qwen3_omni_moe", "qwen3_5_moe"})
 _SILU_NAMES = frozenset({"SiLU", "SiLUActivation"})
 _MARK = "_lmms_liger_patched"
 
