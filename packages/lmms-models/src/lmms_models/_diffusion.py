@@ -352,8 +352,14 @@ def save_encoders(model: nn.Module, out_dir: str | Path) -> None:
     an exported folder renders and resumes with the same frozen VAE / text encoder. Not
     collective: an encoder placed by :func:`place_encoders` is rebuilt whole from its source."""
     for name, enc in encoders_of(model).items():
-        if enc.__dict__.get(_PLACED):  # sharded / offloaded (maybe bf16): a fresh full copy
-            enc = enc.__dict__[_BUILD]()  # from its config (seeded) or folder: the same weights
+        placed, build = enc.__dict__.get(_PLACED), enc.__dict__.get(_BUILD)
+        if placed and build is not None:  # sharded / offloaded (maybe bf16): a fresh full copy
+            enc = build()  # from its config (seeded) or folder: the same weights
+        elif placed == "shard":  # attached by hand, then sharded: no source to rebuild from
+            raise ValueError(
+                f"{name}: a sharded encoder attached with attach_encoder cannot be exported "
+                "(attach it through the model config, or save it before place_encoders)"
+            )
         enc.save_pretrained(str(Path(out_dir) / name))
 
 
