@@ -91,3 +91,55 @@ def test_positions_and_tokens_equal_upstream(omni, use_audio_in_video):
         run = np.flatnonzero(np.diff(types[types >= 2]) != 0)
         assert len(run) >= 4
     assert (s["labels"][types != 0] == -100).all()
+
+
+def test_qwen3_omni_moe_positions_and_tokens_equal_upstream(omni, tmp_path):
+    """Qwen3-Omni-MoE: Qwen3-Omni's clip-to-token rule (upstream's own length function) and
+    TMRoPE positions equal to the upstream thinker's get_rope_index (video at 4 fps with
+    ``tp = 2``: 0.5 s per temporal patch, at 25 positions per second 12.5, a float upstream;
+    ``position_id_per_seconds = 4`` keeps it integral); ``use_audio_in_video`` is refused."""
+    from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as upstream
+
+    d, _ = omni
+    info = ld.build_local_processor(str(tmp_path / "proc3"), "qwen3_omni_moe")
+    msgs = [
+        {"role": "user", "content": [
+            {"type": "image", "image": str(d / "img.png")},
+            {"type": "video", "video": str(d / "v.mp4")},
+            {"type": "audio", "audio": str(d / "a.wav")},
+            {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A tone."}]},
+    ]  # fmt: skip
+    p = ld.build_processor("qwen3_omni_moe", info["path"], video_fps=4.0,
+                           position_id_per_seconds=4)  # fmt: skip
+    s = p(msgs)
+    lens = torch.as_tensor(s["audio_feature_lens"])
+    n_aud = int((s["input_ids"] == info["audio_token_id"]).sum())
+    assert n_aud == int(upstream._get_feat_extract_output_lengths(lens, 50).sum())
+    assert n_aud != int(ld.processors.audio_output_lengths(lens.numpy()).sum())  # not Qwen2.5's
+    cfg = Qwen3OmniMoeThinkerConfig(
+        audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16,
+                          output_dim=32, downsample_hidden_size=8),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+                           patch_size=16, deepstack_visual_indexes=[0]),
+        text_config=dict(vocab_size=info["vocab_size"], hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=2,
+                         num_experts_per_tok=1, moe_intermediate_size=8,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 2, 2],
+                                          "mrope_interleaved": True}),
+        image_token_id=info["image_token_id"], video_token_id=info["video_token_id"],
+        audio_token_id=info["audio_token_id"], audio_start_token_id=info["audio_bos_token_id"],
+        audio_end_token_id=info["audio_eos_token_id"], vision_start_token_id=info["vision_start_token_id"],
+        vision_end_token_id=info["vision_end_token_id"], position_id_per_seconds=4,
+    )  # fmt: skip
+    model = Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
+    ids = torch.as_tensor(s["input_ids"])[None]
+    g = lambda k: torch.as_tensor(s[k]) if k in s else None  # noqa: E731
+    pos, _ = model.model.get_rope_index(
+        ids, g("image_grid_thw"), g("video_grid_thw"), torch.ones_like(ids), False, lens,
+        g("second_per_grid_ts"),
+    )  # fmt: skip
+    np.testing.assert_array_equal(s["position_ids"][1:], pos[:, 0].numpy())
+    with pytest.raises(ValueError, match="use_audio_in_video is not supported"):
+        ld.build_processor("qwen3_omni_moe", info["path"], use_audio_in_video=True)

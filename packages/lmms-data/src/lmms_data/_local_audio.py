@@ -19,7 +19,7 @@ from typing import Any
 
 __all__ = ["AUDIO_FAMILIES", "AUDIO_SPECIAL_TOKENS", "build_local_audio_processor"]
 
-AUDIO_FAMILIES = ("qwen2_audio", "qwen2_5_omni")
+AUDIO_FAMILIES = ("qwen2_audio", "qwen2_5_omni", "qwen3_omni_moe")
 AUDIO_SPECIAL_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
 
 AUDIO_CHAT_TEMPLATE = (
@@ -79,7 +79,8 @@ def build_local_audio_processor(
     if family not in AUDIO_FAMILIES:
         raise ValueError(f"unknown audio family {family!r}; known: {list(AUDIO_FAMILIES)}")
     os.makedirs(out_dir, exist_ok=True)
-    omni = family == "qwen2_5_omni"
+    omni = family in ("qwen2_5_omni", "qwen3_omni_moe")
+    omni3 = family == "qwen3_omni_moe"  # Qwen3-VL's vision: 16-pixel patches
     template = OMNI_CHAT_TEMPLATE if omni else AUDIO_CHAT_TEMPLATE
     hf_tok = train_tokenizer(
         vocab_size, (*SPECIAL_TOKENS, *AUDIO_SPECIAL_TOKENS), chat_template=template
@@ -88,7 +89,10 @@ def build_local_audio_processor(
     if omni:  # the Qwen-VL image/video processors, then the feature extractor beside them
         from lmms_data._local_processor import _save_vl
 
-        _save_vl(out_dir, "qwen2_5_vl", hf_tok, 56 * 56, 28 * 28 * 256)
+        if omni3:
+            _save_vl(out_dir, "qwen3_vl", hf_tok, 64 * 64, 32 * 32 * 256)
+        else:
+            _save_vl(out_dir, "qwen2_5_vl", hf_tok, 56 * 56, 28 * 28 * 256)
         hf_tok.chat_template = template
         hf_tok.save_pretrained(out_dir)
         with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
@@ -107,7 +111,7 @@ def build_local_audio_processor(
         if not omni:
             hf_tok.save_pretrained(out_dir)
             fe.save_pretrained(out_dir)
-    info = _write_info(out_dir, family, hf_tok, patch=14 if omni else None)
+    info = _write_info(out_dir, family, hf_tok, patch=(16 if omni3 else 14) if omni else None)
     tid = hf_tok.convert_tokens_to_ids
     info.update(
         audio_token_id=tid("<|AUDIO|>"),

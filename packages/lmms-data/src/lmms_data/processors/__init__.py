@@ -10,6 +10,7 @@ from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
 from lmms_data.processors._llava_onevision import LlavaOnevisionDataProcessor, anyres_image_tokens
 from lmms_data.processors._mrope import mrope_positions
 from lmms_data.processors._omni import Qwen2_5OmniDataProcessor, tmrope_positions
+from lmms_data.processors._omni3 import Qwen3OmniMoeDataProcessor
 from lmms_data.processors._pretrain import PretrainTextProcessor
 from lmms_data.processors._qwen_vl import (
     Qwen2_5_VLDataProcessor,
@@ -29,6 +30,7 @@ __all__ = [
     "Qwen2AudioDataProcessor",
     "Qwen2_5OmniDataProcessor",
     "Qwen2_5_VLDataProcessor",
+    "Qwen3OmniMoeDataProcessor",
     "Qwen3VLDataProcessor",
     "QwenTextProcessor",
     "QwenVLProcessor",

@@ -232,7 +232,7 @@ class Qwen2_5OmniDataProcessor(QwenVLProcessor):
         per_block: list[int] = []
         if flat:
             sample.update(self.features(flat))
-            tokens = audio_output_lengths(sample["audio_feature_lens"]).tolist()
+            tokens = self.audio_tokens(sample["audio_feature_lens"]).tolist()
             i = 0
             for clips in clip_lists:
                 per_block.append(sum(tokens[i : i + len(clips)]))
@@ -260,6 +260,10 @@ class Qwen2_5OmniDataProcessor(QwenVLProcessor):
             pieces = text.split(self.video_token)
             text = pieces[0] + "".join(f + r for f, r in zip(fills, pieces[1:], strict=True))
         return self._finish(sample, text, [block_of[o] for o in order], spg)
+
+    def audio_tokens(self, frames: np.ndarray) -> np.ndarray:
+        """Text placeholders per clip of ``frames [n]`` valid mel frames."""
+        return np.asarray(audio_output_lengths(frames))
 
     def _audio_order(self, text: str, n_videos: int) -> list[tuple[str, int]]:
         """Audio blocks in token order: ``("audio", k)`` parts and, with ``use_audio_in_video``,
