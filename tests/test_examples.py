@@ -18,6 +18,7 @@ FAMILIES = (
     "qwen3_vl_moe",
     "qwen2_audio",
     "qwen2_5_omni",
+    "qwen3_omni_moe",
     "aero",
 )
 FAMILIES += ("llava_onevision",)  # anyres images, multi-image, video
@@ -46,6 +47,7 @@ TINY = {  # each family's tiny CPU example
     "qwen3_vl_moe": "qwen3_vl_moe/tiny_cpu.yaml",
     "qwen2_audio": "qwen2_audio/tiny_cpu.yaml",
     "qwen2_5_omni": "qwen2_5_omni/tiny_cpu.yaml",
+    "qwen3_omni_moe": "qwen3_omni_moe/tiny_cpu.yaml",
     "aero": "aero/tiny_cpu.yaml",
     "qwen3_5": "qwen3_5/tiny_cpu.yaml",
     "qwen3_5_moe": "qwen3_5_moe/tiny_cpu.yaml",
@@ -84,8 +86,9 @@ def test_tiny_example_trains(family, tmp_path):
     assert all(math.isfinite(r["loss"]) and 0 < r["loss"] < 10 for r in steps), steps
     assert all(r["samples"] > 0 and r["bad_records"] == 0 for r in steps), steps
     vl = "_vl" in family or family in ("llava_onevision", "qwen3_5", "qwen3_5_moe")
-    if family != "qwen2_5_omni":  # omni data: image shards and audio shards, packs of either
+    omni = family in ("qwen2_5_omni", "qwen3_omni_moe")
+    if not omni:  # omni data: image shards and audio shards, packs of either
         assert all((r["vision_tokens"] > 0) == vl for r in steps), steps
     columns = set().union(*(pq.read_schema(p).names for p in data.glob("*.parquet")))
-    assert ("images" in columns) == (vl or family == "qwen2_5_omni"), columns  # text for text
-    assert ("audios" in columns) == (family in ("qwen2_audio", "qwen2_5_omni", "aero")), columns
+    assert ("images" in columns) == (vl or omni), columns  # text for text
+    assert ("audios" in columns) == (omni or family in ("qwen2_audio", "aero")), columns
