@@ -195,7 +195,8 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
         zero = embeds.new_zeros((), dtype=torch.float32)  # [1, T, H] embeds above
         if distributed and not vision_ran:
             dummy = self.vision_tower(model)(**self.dummy_vision_inputs(model, embeds.device))
-            zero = zero + dummy.pooler_output.float().sum() * 0.0
+            outs = (dummy.pooler_output, *(getattr(dummy, "deepstack_features", None) or ()))
+            zero = zero + sum(t.float().sum() for t in outs) * 0.0  # deepstack mergers too
         tower, dev = self.audio_tower(model), embeds.device
         if audio["input_features"] is not None:
             if types is None:
