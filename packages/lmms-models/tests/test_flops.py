@@ -21,12 +21,12 @@ def test_lm_matmul_params_match_module(name):
     assert spec.lm_matmul_params(model.config) == expected
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_vl_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_vl_moe", "qwen3_omni_moe"])
 def test_moe_counts_active_experts_only(name):
     spec = get_model_spec(name)
     model = spec.build(config=spec.tiny_config(), device="meta")
     cfg = spec.text_config(model.config)
-    all_params = _params(model, skip=("embed_tokens", "visual"))
+    all_params = _params(model, skip=("embed_tokens", "visual", "audio_tower"))
     inactive = cfg.num_hidden_layers * (4 - 2) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
     assert spec.lm_matmul_params(model.config) == all_params - inactive
 

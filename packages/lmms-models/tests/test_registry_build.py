@@ -100,7 +100,7 @@ def test_attention_switch_sets_both_towers():
     assert spec.vision_tower(model).config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe"])
 def test_dummy_vision_inputs_run_the_tower(name):
     spec = get_model_spec(name)
     torch.manual_seed(0)
