@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -132,10 +133,12 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
     ) -> torch.Tensor:
         """``features [M, F]`` (mel bins, concatenated valid frames), host ``lens [n]`` ->
         ``[N, H]``, the chunking and windows computed on the host (:meth:`host_audio_inputs`)."""
+        extra = self.host_audio_inputs(tower, features, lens)
+        if "aftercnn_lens" in inspect.signature(tower.forward).parameters:  # older layouts
+            n_window = tower.config.n_window
+            extra["aftercnn_lens"] = to_device(omni3_audio_tokens(lens, n_window), features.device)
         return tower(
-            input_features=features,
-            feature_lens=to_device(lens, features.device),
-            **self.host_audio_inputs(tower, features, lens),
+            input_features=features, feature_lens=to_device(lens, features.device), **extra
         ).last_hidden_state
 
     def dummy_audio(self, tower: nn.Module, device: torch.device) -> torch.Tensor:
