@@ -149,9 +149,11 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
     def host_audio_inputs(
         self, tower: nn.Module, features: torch.Tensor, lens: torch.Tensor
     ) -> dict[str, Any]:
-        """Chunks (padded on the device, split by host lengths), valid indices and window
-        ``cu_seqlens`` from the host ``lens [n]`` by transformers' own helpers, which the tower
-        takes precomputed where the installed transformers has them (empty otherwise)."""
+        """What the tower derives from ``feature_lens``, from the host ``lens [n]``: chunk
+        lengths (upstream's rule: ``2·n_window`` frames, the remainder last), the chunks padded
+        on the device (split by those host lengths), and the valid indices and window
+        ``cu_seqlens`` by transformers' own helpers. The tower takes them precomputed where the
+        installed transformers has these helpers (empty otherwise: it derives them itself)."""
         module = importlib.import_module(_MODULE)
         helpers = ("chunk_and_pad_features", "get_valid_indices", "get_audio_cu_seqlens")
         if not all(hasattr(module, h) for h in helpers):
@@ -166,7 +168,7 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
         padded = nn.utils.rnn.pad_sequence(pieces, batch_first=True).transpose(1, 2)
         cu = module.get_audio_cu_seqlens(chunks, lens, tower.n_window_infer, n_window)
         return {
-            "padded_feature": padded,  # [chunks, M, 2·n_window]
+            "padded_feature": padded,  # [chunks, M, longest chunk]
             "chunk_lengths": to_device(chunks, dev),
             "valid_indices": to_device(module.get_valid_indices(chunks, n_window), dev),
             "cu_seqlens": to_device(cu, dev),
