@@ -126,7 +126,7 @@ def test_wan_fsdp_two_ranks_sharded_text_encoder_trains_and_exports(tmp_path: Pa
     from lmms_models import get_model_spec
 
     proc = f"model_config.processor_path={tmp_path / 'processor'}"
-    args = ["trainer_args.max_steps=2",
+    args = ["trainer_args.max_steps=2", "trainer_args.ema_decay=0.5",
             "trainer_args.save_steps=0", "trainer_args.report_to=[]", "trainer_args.eval_steps=0",
             f"dataset_config.dataset_path={tmp_path / 'data'}",
             "dataset_config.generate_synthetic.num_samples=32", proc]  # fmt: skip
@@ -156,6 +156,14 @@ def test_wan_fsdp_two_ranks_sharded_text_encoder_trains_and_exports(tmp_path: Pa
     for k in one:  # the exported trained weights are the 1-process run's
         torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=1e-6)
     get_model_spec("wan").build(pretrained=str(runs["two"]))  # strict load, encoders attached
+    # EMA (optimizer state, so FSDP2-sharded on 2 ranks) exported whole: the 1-process EMA, and
+    # not the trained weights (decay 0.5 over 2 steps keeps a share of the initial weights)
+    ema = {n: load_file(str(tmp_path / n / "hf_ema" / "diffusion_pytorch_model.safetensors"))
+           for n in ("one", "two")}  # fmt: skip
+    assert ema["one"].keys() == one.keys() == ema["two"].keys()
+    for k in one:
+        torch.testing.assert_close(ema["two"][k], ema["one"][k], rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(ema["one"][k], one[k]) for k in one)
 
 
 def test_frozen_encoders_are_checked_before_training(tmp_path: Path, capsys) -> None:
