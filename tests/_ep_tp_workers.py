@@ -25,6 +25,7 @@ from lmms_models import get_model_spec
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
 
 STEPS = 3
+CKPT_STEP = 2  # scenarios with a checkpoint save after this step and resume from it
 CLIP = 1.0  # global-norm clipping (the tiny models' gradients exceed it at first)
 
 
@@ -118,12 +119,60 @@ def _reference(name, cfg, packs, opt_kind):
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, grads1, _named_full(model, grads=False), norms
 
 
-def run_case(name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", images=True):
-    """One layout against the 1-process reference on the same packs."""
+def _parallel_model(spec, cfg, mesh, *, tp: int, ep: int, weights, seed: int = 0) -> nn.Module:
+    """The trainer's order: meta build, TP/EP plans, FSDP2 (experts as their own units),
+    materialise, rank 0's weights."""
+    torch.manual_seed(seed)
+    with lp.meta_init():
+        model = spec.build(config=cfg, device="meta", attn_backend="varlen_sdpa")
+    if hasattr(spec, "set_experts"):
+        spec.set_experts(model, "grouped")
+    units = []
+    if tp > 1:
+        spec.check_tp(model.config, tp)
+        lp.apply_tp(spec.plan_root(model), spec.tp_plan, lp.tp_mesh(mesh))
+    if ep > 1:
+        em = lp.expert_meshes(mesh, ep)
+        lp.apply_ep(spec.plan_root(model), spec.ep_plan, em.ep_group)
+        units = [(m, em.fsdp) for m in spec.experts_modules(model)]
+    blocks = spec.vision_blocks(model) + spec.decoder_blocks(model) + spec.embeddings(model)
+    lp.apply_fsdp(model, lp.fsdp_mesh(mesh), blocks=blocks, param_dtype=None, units=units)
+    lp.materialize(model, "cpu")
+    lp.load_full_state_dict(model, weights)
+    return model
+
+
+def _resume_one_process(name, cfg, packs, opt_kind, ckpt, group, final) -> dict[str, Any]:
+    """Rank 0 alone: the plain model (no EP, no TP, no FSDP) loads the parallel run's checkpoint
+    and takes the remaining steps on every DP rank's packs."""
+    spec = get_model_spec(name)
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    model = spec.build(config=cfg, attn_backend="varlen_sdpa")
+    if hasattr(spec, "set_experts"):
+        spec.set_experts(model, "grouped")
+    opt = _optimizer(spec, model, opt_kind)
+    ckpt.load(model=model, optimizer=opt, process_group=group)
+    losses = []
+    for step_packs in packs[CKPT_STEP:]:
+        outs = [spec.packed_forward(model, b) for b in step_packs]
+        loss = sum(s for s, _ in outs) / sum(int(n) for _, n in outs)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return {"one_losses": losses, "one_param_err": _rel_err(_named_full(model, False), final)[0]}
+
+
+def run_case(
+    name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", images=True, ckpt_dir=None
+):
+    """One layout against the 1-process reference on the same packs; with ``ckpt_dir``, also a
+    DCP save at step CKPT_STEP resumed by the same layout and by one process."""
     from lmms_parallel import ParallelDims
 
     spec = get_model_spec(name)
@@ -141,38 +190,30 @@ def run_case(name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", imag
     ]  # dp rank d's pack of step s (odd dp ranks text-only: the tower runs a dummy there)
     weights = ref_model.state_dict() if rank == 0 else None
 
-    with lp.meta_init():
-        model = spec.build(config=cfg, device="meta", attn_backend="varlen_sdpa")
-    if hasattr(spec, "set_experts"):
-        spec.set_experts(model, "grouped")
-    units = []
-    if tp > 1:
-        spec.check_tp(model.config, tp)
-        lp.apply_tp(spec.plan_root(model), spec.tp_plan, lp.tp_mesh(mesh))
-    if ep > 1:
-        em = lp.expert_meshes(mesh, ep)
-        lp.apply_ep(spec.plan_root(model), spec.ep_plan, em.ep_group)
-        units = [(m, em.fsdp) for m in spec.experts_modules(model)]
-    blocks = spec.vision_blocks(model) + spec.decoder_blocks(model) + spec.embeddings(model)
-    lp.apply_fsdp(model, lp.fsdp_mesh(mesh), blocks=blocks, param_dtype=None, units=units)
-    lp.materialize(model, "cpu")
-    lp.load_full_state_dict(model, weights)
+    model = _parallel_model(spec, cfg, mesh, tp=tp, ep=ep, weights=weights)
 
     group = lp.sp_group(mesh) if sp > 1 else None
-    handles = []
-    tower = spec.vision_tower(model)
-    if tower is not None:
-        dummy = lambda: spec.dummy_vision_inputs(model, torch.device("cpu"))  # noqa: E731
-        handles.append(lp.VisionParticipation(spec.sp_slice_module(model), tower, dummy).install())
-    if group is not None:
-        spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
-        handles.append(lp.SequenceParallel(spec.sp_slice_module(model), group).install())
+
+    def install(model: nn.Module) -> list[Any]:
+        """The vision tower's participation on text-only ranks, and Ulysses SP."""
+        handles = []
+        tower = spec.vision_tower(model)
+        if tower is not None:
+            dummy = lambda: spec.dummy_vision_inputs(model, torch.device("cpu"))  # noqa: E731
+            part = lp.VisionParticipation(spec.sp_slice_module(model), tower, dummy)
+            handles.append(part.install())
+        if group is not None:
+            spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
+            handles.append(lp.SequenceParallel(spec.sp_slice_module(model), group).install())
+        return handles
+
+    handles = install(model)
     dp_rank = lp.dp_mesh(mesh).get_local_rank()
     dp_group = lp.dp_mesh(mesh).get_group()
     opt = _optimizer(spec, model, opt_kind)
     losses, grads1, norms = [], None, []
-    for step_packs in packs:
-        batch = step_packs[dp_rank]
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> float:
         model.forward = lambda b=batch: spec.packed_forward(model, b, sp_group=group)
         loss_sum, n = model(b=batch)
         del model.forward
@@ -181,17 +222,38 @@ def run_case(name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", imag
         (loss_sum / total).backward()
         logged = loss_sum.detach().clone()
         dist.all_reduce(logged, group=dp_group)
+        nonlocal grads1
         if grads1 is None:
             grads1 = _named_full(model, grads=True)
         norms.append(float(lp.clip_grad_norm_(model.parameters(), CLIP, model=model)))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(logged / total))
+        return float(logged / total)
+
+    ckpt = lp.Checkpointer(ckpt_dir) if ckpt_dir is not None else None
+    for s, step_packs in enumerate(packs):
+        losses.append(step(model, opt, step_packs[dp_rank]))
+        if ckpt is not None and s == CKPT_STEP - 1:
+            ckpt.save(CKPT_STEP, model=model, optimizer=opt)
     final = _named_full(model, grads=False)
+    resumed: dict[str, Any] = {}
+    if ckpt is not None:  # the same layout resumes at CKPT_STEP: the straight run's next steps
+        again = _parallel_model(spec, cfg, mesh, tp=tp, ep=ep, weights=weights, seed=1)
+        handles += install(again)
+        opt2 = _optimizer(spec, again, opt_kind)
+        ckpt.load(model=again, optimizer=opt2)
+        resumed["losses"] = [step(again, opt2, p[dp_rank]) for p in packs[CKPT_STEP:]]
+        resumed["param_err"] = _rel_err(_named_full(again, grads=False), final)[0]
+        del norms[STEPS:]
+        # ... and one process (EP 1 / TP 1) resumes from the same checkpoint
+        one = dist.new_group([0])
+        if rank == 0:
+            resumed.update(_resume_one_process(name, cfg, packs, opt_kind, ckpt, one, final))
+        dist.barrier()
     exported = lp.gather_full_state_dict(model)  # what export_hf writes (rank 0)
     for h in handles:
         h.remove()
-    out: dict[str, Any] = {"losses": losses, "norms": norms}
+    out: dict[str, Any] = {"losses": losses, "norms": norms, "resumed": resumed}
     if rank == 0:
         ref_losses, ref_g, ref_p, ref_norms = _reference(name, cfg, packs, opt_kind)
         out.update(ref_norms=ref_norms)
@@ -281,13 +343,13 @@ def muon_tp_exact(_out: Path) -> dict[str, Any]:
 SCENARIOS: dict[str, dict[str, Any] | None] = {
     "ep_zero_tokens": None,
     "muon_tp_exact": None,
-    "ep2_vl_adamw": dict(name="qwen3_vl_moe", ep=2),
-    "ep2_moe_muon": dict(name="qwen3_moe", ep=2, opt_kind="muon"),
+    "ep2_vl_adamw": dict(name="qwen3_vl_moe", ep=2, ckpt=True),
+    "ep2_moe_muon": dict(name="qwen3_moe", ep=2, opt_kind="muon", ckpt=True),
     "ep2_sp2_moe": dict(name="qwen3_moe", ep=2, sp=2),
     "ep2_qwen3_5_moe": dict(name="qwen3_5_moe", ep=2),  # another family: the same plan, no code
     "tp2_vl_muon": dict(name="qwen3_vl", tp=2, opt_kind="muon"),
     "ep4_moe": dict(name="qwen3_moe", ep=4),
-    "fsdp2_ep2_vl": dict(name="qwen3_vl_moe", ep=2),
+    "fsdp2_ep2_vl": dict(name="qwen3_vl_moe", ep=2, ckpt=True),
     "tp2_fsdp2_qwen3": dict(name="qwen3", tp=2),
 }
 WORLD_2 = ["ep_zero_tokens", "muon_tp_exact", "ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe",
@@ -306,6 +368,8 @@ def run(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> Non
             try:
                 if kwargs is None:
                     results[name] = globals()[name](Path(out_dir))
+                elif kwargs.pop("ckpt", False):
+                    results[name] = run_case(**kwargs, ckpt_dir=Path(out_dir, "ckpt_" + name))
                 else:
                     results[name] = run_case(**kwargs)
             except Exception:

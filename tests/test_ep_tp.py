@@ -104,3 +104,28 @@ def test_muon_orthogonalises_tp_shards_as_whole_matrices(world2):
         assert "error" not in r, r
         assert r["max_diff"] == 0.0, r  # bit-identical to NS of the whole matrix
         assert r["shard_rows"] != r["full_rows"] or r["shard_cols"] != r["full_cols"]
+
+
+def _check_resume(results: list[dict], name: str) -> None:
+    """DCP save after step 2 of the parallel run; the same layout resumes to the straight run's
+    step-3 loss and parameters, and one process (EP 1 / TP 1, no FSDP) resumes from the same
+    checkpoint to the same step-3 loss (within fp32 summation order of the other layout)."""
+    for rank, res in enumerate(results):
+        assert "error" not in res[name], f"rank {rank}: {res[name]['error']}"
+    r = results[0][name]
+    straight, resumed = r["losses"][2:], r["resumed"]
+    muon = "muon" in name
+    assert resumed["losses"] == straight, (name, resumed["losses"], straight)
+    assert resumed["param_err"] == 0.0, (name, resumed["param_err"])
+    for got, ref in zip(resumed["one_losses"], straight, strict=True):
+        assert abs(got - ref) <= 1e-5 * abs(ref), (name, resumed["one_losses"], straight)
+    assert resumed["one_param_err"] < (0.15 if muon else 5e-3), (name, resumed)
+
+
+@pytest.mark.parametrize("name", ["ep2_vl_adamw", "ep2_moe_muon"])
+def test_two_ranks_checkpoint_resumes_at_degree_one(world2, name):
+    _check_resume(world2, name)
+
+
+def test_fsdp2_ep2_checkpoint_resumes_at_degree_one(world4):
+    _check_resume(world4, "fsdp2_ep2_vl")

@@ -99,10 +99,10 @@ def _build_mesh(cfg: TrainConfig, env: DistEnv) -> None:
     from lmms_parallel import ParallelDims
 
     t = cfg.trainer_args
-    if env.ep > 1 and (t.save_final or t.save_steps or t.resume_from):
+    if env.tp > 1 and (t.save_steps or t.resume_from):
         raise ConfigError(
-            "trainer_args.ep_degree > 1: checkpoints of expert-parallel runs are not implemented "
-            "yet; set save_final: false and save_steps: 0 (and no resume_from)"
+            "trainer_args.tp_degree > 1: resuming tensor-parallel runs is not tested yet; set "
+            "save_steps: 0 and no resume_from (EP checkpoints resume, also at another degree)"
         )
     dims = ParallelDims(dp_replicate=env.dp_replicate, dp_shard=-1, sp=env.sp, tp=env.tp, ep=env.ep)
     try:

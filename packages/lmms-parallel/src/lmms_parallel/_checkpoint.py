@@ -11,6 +11,13 @@ on every rank, leaving the earlier checkpoints as they were.
 Model and optimizer state go through ``get_state_dict`` / ``set_state_dict``, which key the
 optimizer state by parameter name: any ``torch.optim.Optimizer`` (AdamW, lmms-optim's Muon)
 round-trips, also across world sizes.
+
+Expert-parallel parameters (:class:`lmms_parallel.ExpertParallel`: each EP rank holds experts
+``[r·E/ep, (r+1)·E/ep)``, FSDP2-sharded further or not) and their optimizer state are written as
+*global* ``[E, ...]`` DTensors: a view of the local slice on a mesh ``(ep, *fsdp dims)`` with
+``Shard(0)`` over ``ep`` outermost, then the FSDP2 placements. DCP therefore records every
+expert at its global offset, and a checkpoint resumes at another EP degree (EP 1 included) or
+world size. TP parameters are DTensors already and need nothing.
 """
 
 from __future__ import annotations
@@ -95,7 +102,7 @@ class Checkpointer:
         _fail_together(failed, tmp)  # also the barrier: the folder exists for every rank
         try:
             state = _model_optim_state(model, optimizer)
-            dcp.save(state, checkpoint_id=str(tmp))
+            dcp.save(_ep_global(model, state), checkpoint_id=str(tmp))
             buf = io.BytesIO()  # serialised in memory, written by Python: a full disk is an OSError
             torch.save(extra_state or {}, buf)
             (tmp / f"extra_rank{_rank()}.pt").write_bytes(buf.getvalue())
@@ -124,11 +131,13 @@ class Checkpointer:
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
         """Load ``path`` (default: ``latest()``) into model/optimizer; returns this rank's extra state.
 
         At a different world size, rank ``r`` gets ``extra_rank{r}.pt`` when it exists, else rank
-        0's (data-loader positions must then be re-derived by the caller).
+        0's (data-loader positions must then be re-derived by the caller). ``process_group``: the
+        ranks that load (default: all), e.g. a one-rank group for a one-process model.
         """
         path = Path(path) if path is not None else self.latest()
         if path is None:
@@ -136,7 +145,9 @@ class Checkpointer:
         if not (path / "COMPLETE").exists():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
         state = _model_optim_state(model, optimizer)
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(  # in place, through views
+            _ep_global(model, state), checkpoint_id=str(path), process_group=process_group
+        )
         if optimizer is None:
             set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
         else:
@@ -175,6 +186,87 @@ def _model_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer | None
         return {"model": model_sd}
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _ep_global(model: nn.Module, state: dict) -> dict:
+    """``state`` with every expert-parallel tensor (parameter and its optimizer state of the same
+    shape) replaced by a global ``[E, ...]`` DTensor viewing the same storage (so DCP loads into
+    it in place). Collective when the model has EP parameters (one all-gather of mesh
+    coordinates, cached on the module)."""
+    from ._ep import ep_params
+
+    found = ep_params(model)
+    if not found:
+        return state
+    model_sd = dict(state["model"])
+    optim = state.get("optim")
+    optim_state = dict(optim["state"]) if optim is not None else {}
+    for fqn, module, _pname, st in found:
+        if fqn not in model_sd:
+            continue
+        local = model_sd[fqn]
+        model_sd[fqn] = _global_view(module, st, local)
+        if fqn in optim_state:
+            entry = dict(optim_state[fqn])
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.shape == local.shape:
+                    entry[key] = _global_view(module, st, value)
+            optim_state[fqn] = entry
+    out = dict(state, model=model_sd)
+    if optim is not None:
+        out["optim"] = dict(optim, state=optim_state)
+    return out
+
+
+def _global_view(module: nn.Module, st: Any, t: torch.Tensor) -> torch.Tensor:
+    """The EP-local ``t`` (plain ``[E/ep, ...]`` or an FSDP2 DTensor of it) as the global
+    ``[E, ...]`` DTensor on the mesh ``(ep, *rest)``: ``Shard(0)`` over ep (contiguous expert
+    blocks), then the FSDP2 placements (or ``Replicate`` over the ranks holding the same
+    experts)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    inner = list(t.placements) if isinstance(t, DTensor) else [Replicate()]
+    mesh = _ep_mesh(module, st, t, local.device.type)
+    shape = (st.n_experts, *t.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, mesh, [Shard(0), *inner], run_check=False, shape=torch.Size(shape), stride=stride
+    )
+
+
+def _ep_mesh(module: nn.Module, st: Any, t: torch.Tensor, device_type: str) -> Any:
+    """The ``(ep, *rest)`` mesh of the ranks holding ``module``'s experts (built once; no
+    process groups: DCP only reads the coordinates)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    key = "_lmms_ep_ckpt_mesh"
+    cached = getattr(module, key, None)
+    if cached is not None:
+        return cached
+    if isinstance(t, DTensor):
+        rest_shape = tuple(t.device_mesh.shape)
+        coord = tuple(t.device_mesh.get_coordinate() or ())
+    else:  # replicated over the EP groups: index of this rank's group
+        rest_shape, coord = (), ()
+    first = min(dist.get_process_group_ranks(st.group))
+    mine = (dist.get_rank(), st.rank, coord, first)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if not rest_shape:
+        firsts = sorted({e[3] for e in every})
+        rest_shape = (len(firsts),)
+        every = [(r, e, (firsts.index(f),), f) for r, e, _c, f in every]
+    ranks = torch.full((st.size, *rest_shape), -1, dtype=torch.int64)
+    for r, e, c, _f in every:
+        ranks[(e, *c)] = r
+    if int(ranks.min()) < 0:
+        raise RuntimeError(f"EP checkpoint mesh has holes: {ranks.tolist()}")
+    names = ("ep", *(f"ep_rest{i}" for i in range(len(rest_shape))))
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False)
+    setattr(module, key, mesh)
+    return mesh
 
 
 def _fsync_dir(path: Path) -> None:
