@@ -171,6 +171,13 @@ _FREEZE = {"visual": "vision_tower", "vision_tower": "vision_tower", "audio_towe
            "embed_tokens": "embeddings", "lm_head": "lm_head"}  # fmt: skip
 
 
+def _registered_dataset_types() -> frozenset[str]:
+    """The record adapters lmms-data has registered (kept as they are by the conversion)."""
+    from lmms_data import DATASET_REGISTRY
+
+    return frozenset(DATASET_REGISTRY.names())
+
+
 @dataclass(kw_only=True, slots=True)
 class Conversion:
     """The lmms-train config, what happened to each key, and what cannot be converted."""
@@ -324,6 +331,8 @@ class _Converter:
                 if value in _DATASET_TYPES:
                     self.set("dataset_config.dataset_type", "chat", src,
                              "messages / LLaVA / ShareGPT records, detected per record")  # fmt: skip
+                elif value in _registered_dataset_types():  # lmms-train's own (e.g. text)
+                    self.set("dataset_config.dataset_type", value, src, "registered in lmms-data")
                 else:
                     self.problem(src, value, "register a record adapter with "
                                  "@lmms_data.register_dataset and name it in dataset_type")  # fmt: skip
