@@ -190,3 +190,47 @@ def check_flce_weighted(backend, dtype, gen, *, t=37, hd=24, v=1000, bias=False,
     # the weights change the gradients (the check can fail): unweighted differs
     plain, _ = lk.fused_linear_cross_entropy(h, w, y, bias=b, backend=backend, **kw)
     assert not torch.allclose(plain, loss)
+
+
+def check_flce_rows(backend, dtype, gen, *, v, memory_budget_bytes=None, bias=False):
+    """``rows=labelled_rows(labels)`` against the full-row path, same backend: the loss, the
+    gradients and ``token_stats`` to the order of fp32 sums (a GEMM of T_l rows may block its
+    sums differently from one of T rows, and the chunks fall differently), exact zeros on the
+    unlabelled rows' hidden gradient both ways. Packs: a prompt-then-answer
+    layout (unlabelled first half), scattered labels with token weights and stats, and a pack
+    with no labelled row at all."""
+    import lmms_kernels as lk
+
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for layout in ("prompt_answer", "scattered", "none"):
+        h, w, b, y = flce_case(29, 16, v, dtype, gen, frac_ignored=0.4, bias=bias)
+        if layout == "prompt_answer":
+            y[:15] = -100
+        elif layout == "none":
+            y[:] = -100
+        tw = torch.rand(29, generator=gen) + 0.5 if layout == "scattered" else None
+        rows = lk.labelled_rows(y)
+        assert rows.dtype == torch.int64 and rows.numel() == int((y != -100).sum())
+        params = [x for x in (h, w, b) if x is not None]
+        got, want = [], []
+        for r, out in ((None, want), (rows, got)):
+            res = lk.fused_linear_cross_entropy(
+                h, w, y, bias=b, backend=backend, memory_budget_bytes=memory_budget_bytes,
+                token_weights=tw, token_stats=tw is not None, rows=r,
+            )  # fmt: skip
+            out += [*res, *torch.autograd.grad(res[0] * 0.75, params)]
+        (loss, n, *rest), (loss0, n0, *rest0) = got, want
+        assert int(n) == int(n0) and loss.dtype == torch.float32
+        torch.testing.assert_close(loss, loss0, atol=1e-6, rtol=1e-6)
+        if tw is not None:  # [T] stats, zero outside the rows
+            torch.testing.assert_close(rest[0], rest0[0], atol=1e-5, rtol=1e-5)
+            assert torch.equal(rest[1], rest0[1]) and not rest[1][y == -100].any()
+            assert torch.count_nonzero(rest[0][y == -100]) == 0
+            rest, rest0 = rest[2:], rest0[2:]
+        off = y == -100  # unlabelled rows: exact zeros on both paths
+        assert torch.count_nonzero(rest[0][off]) == 0 and torch.count_nonzero(rest0[0][off]) == 0
+        for g, g0 in zip(rest, rest0, strict=True):
+            assert g.dtype == g0.dtype
+            torch.testing.assert_close(g.float(), g0.float(), **tol)
+        if layout == "none":
+            assert float(loss.detach()) == 0.0 and all(torch.count_nonzero(g) == 0 for g in rest)

@@ -5,6 +5,7 @@ from _kernels_ref import (
     FLCE_TOL,
     check_flce,
     check_flce_frozen_weight_and_no_grad,
+    check_flce_rows,
     check_flce_weighted,
     flce_case,
 )
@@ -37,6 +38,16 @@ def test_token_weights_and_stats(dtype):
     gen = torch.Generator().manual_seed(3)
     for bias, budget in [(False, 101 * 8 * 4), (True, None)]:  # several chunks, one chunk
         check_flce_weighted("torch", dtype, gen, v=101, bias=bias, memory_budget_bytes=budget)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_labelled_rows_equal_the_full_path(dtype):
+    gen = torch.Generator().manual_seed(4)
+    for bias, budget in [(False, 101 * 8 * 4), (True, None)]:  # several chunks, one chunk
+        check_flce_rows("torch", dtype, gen, v=101, bias=bias, memory_budget_bytes=budget)
+    with pytest.raises(ValueError, match="rows"):
+        h, w, y = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
+        lk.fused_linear_cross_entropy(h, w, y, rows=torch.tensor([[0]]))
 
 
 def test_all_ignored_frozen_weight_and_no_grad():

@@ -10,7 +10,7 @@ from ._compile import (
     fa4_kernel_keys,
     fa4_variants,
 )
-from ._flce import fused_linear_cross_entropy
+from ._flce import fused_linear_cross_entropy, labelled_rows
 from ._hf import register_varlen_attention
 from ._liger import LIGER_FAMILIES, PatchHandle, apply_liger
 from ._linear_attention import (
@@ -51,6 +51,7 @@ __all__ = [
     "gated_rms_norm",
     "grouped_experts",
     "grouped_mm_available",
+    "labelled_rows",
     "register_experts",
     "register_varlen_attention",
     "resolve_backend",

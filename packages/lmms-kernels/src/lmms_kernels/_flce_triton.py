@@ -172,7 +172,7 @@ def _chunks(t: int, v: int, itemsize: int, budget: int) -> list[tuple[int, int]]
     """Balanced ``[start, end)`` token ranges whose ``[c, V]`` logits fit ``budget`` bytes."""
     most = max(1, budget // (v * itemsize))
     n = max(1, -(-t // most))
-    size = -(-t // n)
+    size = max(1, -(-t // n))
     return [(s, min(t, s + size)) for s in range(0, max(t, 1), size)]  # T=0: one empty span
 
 
