@@ -11,6 +11,7 @@ from lmms_train.config import load_config
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").rglob("*.yaml"))
 FAMILIES = (
     "qwen2",
+    "qwen2_5",
     "qwen3",
     "qwen3_moe",
     "qwen2_5_vl",
@@ -39,6 +40,7 @@ def test_example_config_is_valid(path):
 
 TINY = {  # each family's tiny CPU example
     "qwen2": "qwen2/tiny_cpu.yaml",
+    "qwen2_5": "qwen2_5/tiny_cpu.yaml",
     "qwen3": "qwen3/tiny_cpu.yaml",
     "qwen3_moe": "qwen3_moe/tiny_cpu.yaml",
     "qwen2_5_vl": "qwen2_5_vl/tiny_cpu_muon.yaml",
