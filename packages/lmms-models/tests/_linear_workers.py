@@ -2,7 +2,8 @@
 
 * Ulysses SP 2 == SP 1 for each linear-attention family: loss and gradients (summed over the
   SP ranks, as FSDP's reduce-scatter would), on a pack whose length is odd (SP padding), with a
-  sample past one chunk, a length-1 sample and, for Qwen3.5, images and video.
+  sample past one chunk, a length-1 sample and, for Qwen3.5(-MoE), images and video. The MoE
+  family runs without the router aux loss (under SP it is each rank's own, by design).
 * FSDP2 over 2 ranks with full activation checkpointing == 1 process: each rank takes its own
   pack; the loss is normalised by the global token count, so the ranks' summed gradients must
   equal the single process's gradients on both packs.
@@ -26,8 +27,7 @@ import lmms_parallel as lp
 from lmms_models import get_model_spec
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
 
-# qwen3_5_moe runs the same mixers as qwen3_5 (its experts under SP: test_sp_vl, test_moe_aux)
-FAMILIES = ["qwen3_5", "fla_gated_deltanet"]
+FAMILIES = ["qwen3_5", "fla_gated_deltanet", "qwen3_5_moe"]
 
 
 def _model(name: str):
