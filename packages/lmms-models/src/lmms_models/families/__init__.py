@@ -3,7 +3,7 @@
 from . import (  # noqa: F401
     aero,
     bagel,
-    fla,
+    fla_gated_deltanet,
     llama,
     llava_onevision,
     qwen2,
