@@ -164,6 +164,24 @@ def test_flops_params_match_module(name):
         )
 
 
+def test_presets_are_the_published_shapes():
+    """``qwen3_5`` ``2b`` and ``qwen3_5_moe`` ``35b_a3b`` build (meta) to Qwen3.5-2B's and
+    Qwen3.5-35B-A3B's sizes; the MoE preset's experts split evenly over 8 EP ranks."""
+    sizes = {  # (total parameters, active LM matmul parameters) bounds
+        ("qwen3_5", "2b"): ((2.15e9, 2.3e9), (1.85e9, 1.95e9)),
+        ("qwen3_5_moe", "35b_a3b"): ((34.5e9, 35.5e9), (2.9e9, 3.0e9)),
+    }
+    for (name, preset), ((lo, hi), (alo, ahi)) in sizes.items():
+        spec = get_model_spec(name)
+        model = spec.build(config=spec.preset(preset), device="meta")
+        cfg = spec.text_config(model.config)
+        assert lo < _params(model) < hi, name
+        assert alo < spec.lm_matmul_params(model.config) < ahi, name
+        assert cfg.layer_types.count("full_attention") * 4 == cfg.num_hidden_layers, name
+        assert spec.vision_tower(model).config.out_hidden_size == cfg.hidden_size, name
+    assert cfg.num_experts % 8 == 0 and spec.ep_plan == {"layers.*.mlp.experts": "experts"}
+
+
 def test_lm_flops_hybrid_hand_count():
     """Qwen3.5 tiny: 2 linear layers (4 value heads, Dk = Dv = 16), 1 softmax layer (4 x 16)."""
     spec = get_model_spec("qwen3_5")

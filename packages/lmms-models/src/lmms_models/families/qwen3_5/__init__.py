@@ -173,18 +173,20 @@ class HybridQwenMixin(LinearAttentionMixin):
         )
 
 
-#: A ~2B Qwen3.5-shaped model (random weights; benchmarks and GPU examples): 24 decoder layers,
-#: three Gated DeltaNet layers (16 key / 16 value heads of 128) to one gated softmax layer (8
-#: heads of 256, 2 KV heads), width 2048, SwiGLU 6144, Qwen3.5's 248k vocabulary (tied), and the
-#: default 27-layer vision tower. The shape follows the family's published proportions; it is not
-#: a released checkpoint's config. ~1.9B parameters in the decoder with its embedding.
+#: Qwen3.5-2B's shape (random weights; benchmarks and GPU examples), as its published config.json
+#: gives it (Qwen/Qwen3.5-2B; the values read from public copies of that file, no download): 24
+#: decoder layers, three Gated DeltaNet layers (16 key / 16 value heads of 128) to one gated
+#: softmax layer (8 heads of 256, 2 KV heads), width 2048, SwiGLU 6144, the 248k vocabulary (tied
+#: embeddings), interleaved mRoPE over a quarter of each head; the vision tower of the 2B and 4B
+#: checkpoints (24 layers of width 1024, MLP 4096, 16 heads, patch 16), merged into 2048.
+#: ~1.9B parameters in the decoder with its embedding.
 QWEN3_5_2B: dict[str, Any] = {
     "text_config": {
         "vocab_size": 248320,
         "hidden_size": 2048,
         "intermediate_size": 6144,
         "num_hidden_layers": 24,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
         "num_attention_heads": 8,
         "num_key_value_heads": 2,
         "head_dim": 256,
@@ -194,6 +196,7 @@ QWEN3_5_2B: dict[str, Any] = {
         "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4,
         "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10000000.0,
@@ -203,10 +206,19 @@ QWEN3_5_2B: dict[str, Any] = {
         },
         "use_cache": False,
     },
-    "vision_config": {"out_hidden_size": 2048},
+    "vision_config": {
+        "depth": 24,
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_heads": 16,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": 2048,
+    },
     "tie_word_embeddings": True,
 }
-QWEN3_5_2B["text_config"]["layer_types"] *= 6
 
 
 @register_model("qwen3_5")
