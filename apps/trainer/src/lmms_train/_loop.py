@@ -29,7 +29,7 @@ import lmms_kernels
 from lmms_train._checkpoint import RunCheckpointer
 from lmms_train._dist import DistEnv
 from lmms_train._flops import mfu
-from lmms_train._gc_clock import GcClock
+from lmms_train._gc_clock import GcClock, GcControl
 from lmms_train._guard import DivergenceGuard, drop_update
 from lmms_train._metrics import MetricsLogger
 from lmms_train._profile import StepProfiler
@@ -76,13 +76,35 @@ class Run:
 
 
 def _flops_fn(run: Run):
+    """`(batch, lens) -> (LM, media[, LM with causal attention halved, head FLOPs not run])`:
+    the spec's estimators (6N per token + attention); the last is the LM head's 6·H·V for every
+    token the head skipped (`loss_rows: labelled`: the batch's `loss_rows` hold the rows run)."""
     spec, conf = run.spec, run.hf_config
 
-    def fn(batch: dict[str, Any], lens: list[int]) -> tuple[float, float]:
+    def fn(batch: dict[str, Any], lens: list[int]) -> tuple[float, ...]:
         lm = float(spec.lm_flops(conf, lens))
-        return lm, float(spec.media_flops(conf, batch))  # vision and audio towers
+        half = float(spec.lm_flops(conf, lens, causal_half=True))
+        skipped = 0.0
+        rows = batch.get("loss_rows")
+        if rows is not None:
+            text = spec.text_config(conf)
+            head = 6.0 * float(text.hidden_size) * float(text.vocab_size)
+            skipped = head * max(0, sum(lens) - len(rows))
+        return lm, float(spec.media_flops(conf, batch)), half, skipped  # media: vision, audio
 
     return fn
+
+
+def _add_loss_rows(run: Run, batch: dict[str, Any]) -> None:
+    """`loss_rows: labelled`: the pack's labelled rows, from its host-side shifted labels
+    (before the batch moves to the device; no device read). Causal LM without SP only."""
+    t, env = run.cfg.trainer_args, run.env
+    objective = getattr(getattr(run.forward, "objective", None), "name", "causal_lm")
+    if t.loss_rows != "labelled" or env.sp > 1 or objective != "causal_lm":
+        return
+    shift = batch.get("shift_labels")
+    if shift is not None and not (isinstance(shift, torch.Tensor) and shift.device.type != "cpu"):
+        batch["loss_rows"] = lmms_kernels.labelled_rows(shift)
 
 
 def _vision_imbalance(largest: float, total: float, env: Any) -> dict[str, float]:
@@ -148,6 +170,8 @@ def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched:
     t0 = time.perf_counter()
     batches = [next(data_iter) for _ in range(t.gradient_accumulation_steps)]
     read = time.perf_counter() - t0
+    for b in batches:
+        _add_loss_rows(run, b)
     hidden = busy is not None and not busy.query()  # a status check, not a synchronisation
     packing_length = run.cfg.dataset_config.packing_length
     count_fn = getattr(run.forward, "count_tokens", None)  # the objective's normaliser
@@ -191,6 +215,8 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
         "tokens_per_sec": host["tokens"] / dt,
         "mfu": mfu(host.pop("flops_total"), dt, env.world_size, run.peak_flops),
         "mfu_lm": mfu(host.pop("flops_lm"), dt, env.world_size, run.peak_flops),
+        # attention of causal blocks counted at half (the work a causal kernel does)
+        "mfu_causal_half": mfu(host.pop("flops_half"), dt, env.world_size, run.peak_flops),
         "step_time": dt,
         **host,
         "data_wait_fraction": q.data_wait / env.world_size / dt,
@@ -203,6 +229,9 @@ def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
         num, den = pairs[2 * i], pairs[2 * i + 1]
         if den > 0:  # an empty bucket (no sample drew such a t this step) is not logged
             metrics[name] = num / den
+    if "flops_all_rows" in host:  # loss_rows: labelled; the head counted on every row
+        flops = host.pop("flops_all_rows")
+        metrics["mfu_all_rows"] = mfu(flops, dt, env.world_size, run.peak_flops)
     if q.evaluate:
         metrics["eval_loss"] = evaluate(run)
     if env.is_main:
@@ -229,7 +258,16 @@ def train_loop(run: Run) -> dict[str, Any]:
         t.profile_steps, Path(t.output_dir), env.device, env.rank, announce=env.is_main
     )
     gc_clock = GcClock()
+    gc_control = GcControl(t.gc_control, t.gc_full_collect_steps, gc_clock)
+    graphs_seen = lmms_kernels.compile_counts()["graphs"]
     try:
+        if t.compile and t.compile_warmup and run.state.step < t.max_steps:
+            from lmms_train._warmup import warm_up
+
+            upcoming = _fetch(run, data_iter, flops_fn)  # step 1's packs, read once
+            evaluating = bool(t.eval_steps and run.eval_data is not None)
+            warm_up(run, upcoming.batches[0], evaluate=evaluating)
+            graphs_seen = lmms_kernels.compile_counts()["graphs"]
         while run.state.step < t.max_steps:
             profiler.before_step(run.state.step + 1)
             clock = StepClock(env.device)
@@ -280,10 +318,14 @@ def train_loop(run: Run) -> dict[str, Any]:
             run.state.tokens_seen += int(per_sp["tokens"])
             run.state.samples_seen += int(per_sp["samples"])
             step = run.state.step
+            lm_run = per_sp["flops_lm"] - per_sp["flops_head_skipped"]  # the head as it ran
             host = {
                 "lr": lr,
-                "flops_total": per_sp["flops_lm"] + per_sp["flops_vision"],
-                "flops_lm": per_sp["flops_lm"],
+                "flops_total": lm_run + per_sp["flops_vision"],
+                "flops_lm": lm_run,
+                "flops_half": per_sp["flops_lm_half"]
+                - per_sp["flops_head_skipped"]
+                + per_sp["flops_vision"],
                 "tokens": int(per_sp["tokens"]),
                 "loss_tokens": int(global_count),
                 "samples": int(per_sp["samples"]),
@@ -297,10 +339,15 @@ def train_loop(run: Run) -> dict[str, Any]:
                 **_vision_imbalance(vision_max, per_sp["flops_vision"], env),
                 **gc_clock.take(),  # this step's host loop (and the previous step's metrics)
             }
+            if per_sp["flops_head_skipped"] > 0:
+                host["flops_all_rows"] = per_sp["flops_lm"] + per_sp["flops_vision"]
             if run.guard.policy == "skip":  # steps whose update was dropped, so far
                 host["skipped_steps"] = run.guard.skipped
             if t.compile:  # a rise after the first steps is a recompile mid-run
-                host["compile/graphs"] = lmms_kernels.compile_counts()["graphs"]
+                graphs = lmms_kernels.compile_counts()["graphs"]
+                host["compile/graphs"] = graphs
+                host["compile/new_graphs"] = graphs - graphs_seen  # compiled in this step
+                graphs_seen = graphs
             fa4 = lmms_kernels.fa4_variants()
             if fa4 is not None:  # a rise: FA4 compiled (or loaded) a size-picked variant
                 host["compile/fa4_variants"] = fa4
@@ -321,6 +368,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                 last, queued = _finish(run, queued, phases), None
             if periodic or final or stop:  # the loader's position after this step's packs
                 _save(run, upcoming.data_state if upcoming else run.data.state_dict())
+            gc_control.after_warmup()  # after this process's first step; a no-op after it
+            gc_control.safe_point(step, full=bool(periodic or evaluating))
             if stop:
                 run.stopped = step < t.max_steps  # in the last step: finished, not stopped
                 if env.is_main:
@@ -333,6 +382,7 @@ def train_loop(run: Run) -> dict[str, Any]:
         if queued is not None:
             last = _finish(run, queued, phases)
     finally:
+        gc_control.close()
         gc_clock.close()
         profiler.close()
         if previous is not None:

@@ -47,6 +47,8 @@ STAT_KEYS = (
     "vision_tokens",
     "flops_lm",
     "flops_vision",
+    "flops_lm_half",
+    "flops_head_skipped",
     "capacity",
     "packs",
     "data_wait",
@@ -83,9 +85,12 @@ def batch_stats(
         sums["tokens"] += sum(lens)
         sums["samples"] += len(lens)
         sums["vision_tokens"] += int(b.get("vision_tokens", 0))
-        lm, vis = flops_fn(b, lens)
+        lm, vis, *more = flops_fn(b, lens)  # + (LM with causal attention halved, head skipped)
+        half, skipped = more if more else (lm, 0.0)
         sums["flops_lm"] += lm
         sums["flops_vision"] += vis
+        sums["flops_lm_half"] += half
+        sums["flops_head_skipped"] += skipped
         sums["capacity"] += max(packing_length, int(b["cu_seqlens"][-1]))
         sums["packs"] += 1
     return sums, all_lens

@@ -28,15 +28,18 @@ from ._moe import (
     grouped_mm_available,
     register_experts,
 )
+from ._warmup import WARM_COUNTS, attention_calls, warm_attention
 
 __all__ = [
     "BACKENDS",
     "EXPERTS_BACKENDS",
     "LIGER_FAMILIES",
     "LINEAR_BACKENDS",
+    "WARM_COUNTS",
     "CompileHandle",
     "PatchHandle",
     "apply_liger",
+    "attention_calls",
     "available_backends",
     "causal_conv1d_varlen",
     "compile_blocks",
@@ -57,4 +60,5 @@ __all__ = [
     "resolve_backend",
     "resolve_linear_backend",
     "varlen_attention",
+    "warm_attention",
 ]

@@ -194,10 +194,23 @@ def varlen_attention(
     return _run_backend(backend, *args)
 
 
+# Every distinct call this process made, by how it ran: ("op" | "eager", backend, query heads,
+# key/value heads, head dim, value head dim, dtype, causal, softmax scale, device). A dict
+# (ordered set) filled on the host per call; `lmms_kernels.warm_attention` replays them.
+CALLS: dict[tuple, None] = {}
+
+
+def record_call(path: str, name: str, q, k, v, causal: bool, scale) -> None:
+    """Note one attention call's signature in :data:`CALLS` (a dict insert on the host)."""
+    CALLS[(path, name, q.shape[1], k.shape[1], q.shape[2], v.shape[2], q.dtype, bool(causal),
+           scale, q.device)] = None  # fmt: skip
+
+
 def _run_backend(backend, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     """Eager path: resolve the backend and call its kernel (autograd through the kernel's own
     backward). ``max_q``/``max_k`` may be ints or 0-d tensors (one host read each)."""
     name = resolve_backend(backend, q.device)
+    record_call("eager", name, q, k, v, causal, scale)
     cu_q = cu_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_k.to(device=q.device, dtype=torch.int32)
     return _IMPLS[name](q, k, v, cu_q, cu_k, int(max_q), int(max_k), causal, scale)

@@ -60,6 +60,7 @@ def _resolve(backend, q, cu_q, cu_k, max_q, max_k):
 )
 def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend):
     name, max_q, max_k = _resolve(backend, q, cu_q, cu_k, max_q, max_k)
+    _A.record_call("op", name, q, k, v, causal, scale)
     if name == "fa4":
         out, lse = _fa4_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
     elif name == "torch":

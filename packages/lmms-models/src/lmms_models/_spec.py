@@ -208,6 +208,11 @@ class ModelSpec:
         the row) and the Ulysses attention wrapper; the loss is taken on the matching slice of the
         labels and its sum and count are reduced over the group (gradients pass through unchanged).
 
+        ``batch["loss_rows"]`` (optional, int64 ``[T_l]``: the rows whose shifted label is not
+        ignored, computed on the host by the caller, ``lmms_kernels.labelled_rows``) restricts the
+        LM head and the loss to those rows (same loss and gradients, fewer FLOPs); under SP it is
+        not used (each rank takes its slice of the full rows).
+
         A family may add a per-token loss term (e.g. an MoE router's auxiliary loss) through
         :meth:`extra_loss_inputs` and :meth:`extra_loss`: the term is multiplied by the (local)
         loss-token count and added to ``loss_sum`` before the SP reduction.
@@ -223,10 +228,11 @@ class ModelSpec:
             shift = shift_labels_packed(batch["labels"].to(dev).reshape(-1), cu)
         hidden, out = self.packed_hidden(model, batch)  # [T(/sp), H]
         extra = self.extra_loss(model, out, batch, sp_group=sp_group)  # per-token term or None
-        if sp_group is None:
+        if sp_group is None:  # `loss_rows` [T_l]: the LM head on the labelled rows only
             loss_sum, n = fused_linear_cross_entropy(
-                hidden, head.weight, shift, bias=head.bias, backend=loss_backend
-            )
+                hidden, head.weight, shift, bias=head.bias, backend=loss_backend,
+                rows=batch.get("loss_rows"),
+            )  # fmt: skip
             return (loss_sum, n) if extra is None else (loss_sum + extra * n, n)
         from lmms_parallel import sp_reduce_loss, sp_shard_labels
 

@@ -281,6 +281,31 @@ class TrainerArgs:
         "elsewhere; or `liger`, `triton`, `torch`). Liger reads the device three times per step "
         "(a host synchronisation each); `triton` and `torch` never do.",
     )
+    loss_rows: Literal["all", "labelled"] = _f(
+        "all",
+        "`labelled`: the LM head and the loss run only on the rows whose (shifted) label is not "
+        "ignored (prompt, image and padding rows skipped: about half of a VL pack); the rows are "
+        "found on the host from the pack's labels, so no device sync. Same loss and gradients as "
+        "`all` up to the order of fp32 sums (tests). MFU then counts the head on those rows only "
+        "(`mfu`); `mfu_all_rows` keeps the every-row count. Causal LM without SP only (masked "
+        "diffusion and SP runs take every row).",
+    )
+    gc_control: bool = _f(
+        True,
+        "No garbage-collection pauses in steady state: after step 1 one full collection and "
+        "`gc.freeze()`, automatic collection off, the young generations collected at each step "
+        "boundary while the device runs the step, a full collection at save/eval steps and every "
+        "`gc_full_collect_steps` (`lmms_train._gc_clock`). `false`: Python's own collector.",
+    )
+    gc_full_collect_steps: int = _f(
+        200, "With `gc_control`: a full collection every this many steps (0: only at save/eval)."
+    )
+    compile_warmup: bool = _f(
+        True,
+        "With `compile: true`: before step 1, one forward/backward of the first pack (gradients "
+        "discarded, RNG restored) and every attention signature replayed at the segment counts "
+        "where FA4 switches kernels, so no step after it compiles (`lmms_train._warmup`).",
+    )
     attn_backend: str = _f(
         "auto",
         "Varlen attention backend of `lmms_kernels` (`auto`, `fa4`, `fa`, `torch`, `flex`, `sdpa`).",

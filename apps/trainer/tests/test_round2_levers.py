@@ -1,0 +1,120 @@
+"""Issue 29's levers in the trainer, on a tiny Qwen2 text run on CPU (varying pack lengths):
+
+- `loss_rows: labelled` (the LM head and loss on the labelled rows only) trains to the same
+  losses and gradient norms as `all` up to fp32 summation order, and MFU counts the head on
+  those rows (`mfu` < `mfu_all_rows`; `mfu_causal_half` < `mfu`);
+- `compile: true` + `compile_warmup`: no step compiles a graph (`compile/new_graphs` 0 from step
+  1 on: the warm-up compiled them); the compiled, labelled-rows run's losses equal the eager
+  every-row run's (the kernel tests check the rows' equality to fp32 order on their own);
+- `gc_control`: no automatic full collection in any step after the first.
+
+Compiled with dynamo + AOTAutograd, without Inductor (`LMMS_TRAIN_COMPILE_BACKEND=aot_eager`,
+as `test_compile.py`): Inductor's CPU codegen takes minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+
+from lmms_train import train
+from lmms_train._gc_clock import GcClock, GcControl
+from lmms_train._model_setup import COMPILE_BACKEND_ENV
+from lmms_train.config import config_from_dict
+
+
+def _cfg(tmp_path, out: str, **trainer):
+    return config_from_dict({
+        "model_config": {
+            "load_from_config": {"model_type": "qwen2", "tiny": True},
+            "processor_path": str(tmp_path / "processor"),
+            "build_local_processor": True,
+        },
+        "dataset_config": {
+            "dataset_path": str(tmp_path / "data"),
+            "generate_synthetic": {"kind": "text", "num_samples": 96, "seed": 0},
+            "packing": True, "packing_length": 256, "num_workers": 0,
+        },
+        "trainer_args": {
+            "output_dir": str(tmp_path / out), "max_steps": 3, "learning_rate": 3e-3,
+            "bf16": False, "eval_steps": 0, "save_final": False, "report_to": [], "seed": 0,
+            **trainer,
+        },
+    })  # fmt: skip
+
+
+def _rows(tmp_path, out: str) -> list[dict]:
+    lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: two tiny runs, one of them traced by dynamo
+def test_labelled_rows_compile_warmup_and_gc_control(tmp_path, monkeypatch):
+    import torch
+
+    train(_cfg(tmp_path, "all", loss_rows="all", gc_control=False))
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
+    torch._dynamo.reset()
+    train(_cfg(tmp_path, "labelled", loss_rows="labelled", compile=True))
+    full, rows = _rows(tmp_path, "all"), _rows(tmp_path, "labelled")
+    assert len(full) == len(rows) == 3
+    assert len({r["tokens"] for r in full}) > 1  # packs of varying length
+    for a, b in zip(full, rows, strict=True):  # eager, every row vs compiled, labelled rows
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        # the head ran on fewer rows: its FLOPs leave `mfu` and stay in `mfu_all_rows`
+        assert b["mfu"] < b["mfu_all_rows"] and "mfu_all_rows" not in a
+        assert b["mfu_all_rows"] * b["step_time"] == pytest.approx(  # the same FLOPs as `all`
+            a["mfu"] * a["step_time"], rel=1e-9
+        )
+        assert a["mfu_causal_half"] < a["mfu"] and b["mfu_causal_half"] < b["mfu"]
+    assert all(r["perf/gc_full"] == 0 for r in rows[1:]), [r["perf/gc_full"] for r in rows]
+    assert [r["compile/new_graphs"] for r in rows] == [0, 0, 0], rows  # none in any step
+    assert rows[0]["compile/graphs"] > 0  # compiled, by the warm-up before step 1
+
+
+def test_gc_control_stops_automatic_collections():
+    """Cyclic garbage that makes Python collect on its own (checked first, so the test can fail)
+    starts no collection of any generation under GcControl, so no full one; its safe points
+    collect (young generations each step, a full one every `full_every`)."""
+
+    class Node:
+        def __init__(self):
+            self.me = self  # a reference cycle: only the cyclic collector frees it
+
+    def churn(n: int = 100_000) -> None:
+        for _ in range(n):
+            Node()
+
+    started: list[int] = []
+
+    def count(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.callbacks.append(count)
+    clock = GcClock()
+    try:
+        churn()
+        assert started, "Python's own thresholds should have collected"
+        control = GcControl(True, full_every=2, clock=clock)
+        try:
+            control.after_warmup()
+            assert not gc.isenabled() and gc.get_freeze_count() > 0
+            clock.take()
+            started.clear()
+            churn()
+            assert started == [] and clock.take()["perf/gc_full"] == 0  # nothing automatic
+            control.safe_point(1)  # young generations
+            control.safe_point(2)  # every 2 steps: a full one, of the unfrozen objects
+            assert started == [1, 2]
+            got = clock.take()
+            assert got["perf/gc_full"] == 0 and got["perf/gc_controlled"] == 1
+        finally:
+            control.close()
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        clock.close()
+        gc.callbacks.remove(count)
