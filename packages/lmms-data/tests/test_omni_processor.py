@@ -93,11 +93,42 @@ def test_positions_and_tokens_equal_upstream(omni, use_audio_in_video):
     assert (s["labels"][types != 0] == -100).all()
 
 
-def test_qwen3_omni_moe_positions_and_tokens_equal_upstream(omni, tmp_path):
-    """Qwen3-Omni-MoE: Qwen3-Omni's clip-to-token rule (upstream's own length function) and
-    TMRoPE positions equal to the upstream thinker's get_rope_index (video at 4 fps with
-    ``tp = 2``: 0.5 s per temporal patch, at 25 positions per second 12.5, a float upstream;
-    ``position_id_per_seconds = 4`` keeps it integral); ``use_audio_in_video`` is refused."""
+def _omni3_upstream_interleave(s, info, pps):
+    """The video-with-sound placeholder string of upstream's Qwen3-Omni processor (its own
+    ``replace_video_with_audio_token``, the same rule as 5.17's inline loop) for ``s``'s first
+    video and the audio block sitting in it."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_omni_moe import processing_qwen3_omni_moe as proc
+
+    ns = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2), audio_bos_token="B",
+                         audio_eos_token="E", video_token="V", audio_token="A")  # fmt: skip
+    ids = s["input_ids"]
+    bos = int(np.flatnonzero(ids == info["audio_bos_token_id"])[0])
+    eos = int(np.flatnonzero(ids == info["audio_eos_token_id"])[0])
+    n_audio = int((ids[bos:eos] == info["audio_token_id"]).sum())
+    video = {"video_grid_thw": s["video_grid_thw"],
+             "video_second_per_grid": [float(x) for x in s["second_per_grid_ts"]]}  # fmt: skip
+    if hasattr(proc.Qwen3OmniMoeProcessor, "replace_video_with_audio_token"):
+        text = proc.Qwen3OmniMoeProcessor.replace_video_with_audio_token(
+            ns, video, 0, {"num_audio_tokens": [n_audio]}, 0, position_id_per_seconds=pps
+        )
+    else:  # pragma: no cover - transformers without the method (5.17): none to compare to
+        pytest.skip("this transformers has no replace_video_with_audio_token")
+    mine = "".join({info["audio_token_id"]: "A", info["video_token_id"]: "V",
+                    info["audio_bos_token_id"]: "B", info["audio_eos_token_id"]: "E"}[int(t)]
+                   for t in ids[bos : eos + 1])  # fmt: skip
+    return mine, text
+
+
+@pytest.mark.parametrize(("use_audio_in_video", "pps"), [(False, 4), (True, 13), (True, 25)])
+def test_qwen3_omni_moe_positions_and_tokens_equal_upstream(
+    omni, tmp_path, use_audio_in_video, pps
+):
+    """Qwen3-Omni-MoE: Qwen3-Omni's clip-to-token rule (upstream's own length function), the
+    video-with-sound interleaving of upstream's processor, and TMRoPE positions equal to the
+    upstream thinker's get_rope_index, fractional ones included (video at 4 fps with ``tp = 2``:
+    0.5 s per temporal patch, 6.5 positions at 13 per second, 12.5 at 25; float32 equal)."""
     from transformers import Qwen3OmniMoeThinkerConfig, Qwen3OmniMoeThinkerForConditionalGeneration
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as upstream
 
@@ -112,9 +143,10 @@ def test_qwen3_omni_moe_positions_and_tokens_equal_upstream(omni, tmp_path):
         {"role": "assistant", "content": [{"type": "text", "text": "A tone."}]},
     ]  # fmt: skip
     p = ld.build_processor("qwen3_omni_moe", info["path"], video_fps=4.0,
-                           position_id_per_seconds=4)  # fmt: skip
+                           position_id_per_seconds=pps, use_audio_in_video=use_audio_in_video)  # fmt: skip
     s = p(msgs)
     lens = torch.as_tensor(s["audio_feature_lens"])
+    assert len(lens) == (2 if use_audio_in_video else 1)
     n_aud = int((s["input_ids"] == info["audio_token_id"]).sum())
     assert n_aud == int(upstream._get_feat_extract_output_lengths(lens, 50).sum())
     assert n_aud != int(ld.processors.audio_output_lengths(lens.numpy()).sum())  # not Qwen2.5's
@@ -131,15 +163,21 @@ def test_qwen3_omni_moe_positions_and_tokens_equal_upstream(omni, tmp_path):
         image_token_id=info["image_token_id"], video_token_id=info["video_token_id"],
         audio_token_id=info["audio_token_id"], audio_start_token_id=info["audio_bos_token_id"],
         audio_end_token_id=info["audio_eos_token_id"], vision_start_token_id=info["vision_start_token_id"],
-        vision_end_token_id=info["vision_end_token_id"], position_id_per_seconds=4,
+        vision_end_token_id=info["vision_end_token_id"], position_id_per_seconds=pps,
     )  # fmt: skip
     model = Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
     ids = torch.as_tensor(s["input_ids"])[None]
     g = lambda k: torch.as_tensor(s[k]) if k in s else None  # noqa: E731
     pos, _ = model.model.get_rope_index(
-        ids, g("image_grid_thw"), g("video_grid_thw"), torch.ones_like(ids), False, lens,
-        g("second_per_grid_ts"),
+        ids, g("image_grid_thw"), g("video_grid_thw"), torch.ones_like(ids), use_audio_in_video,
+        lens, g("second_per_grid_ts"),
     )  # fmt: skip
-    np.testing.assert_array_equal(s["position_ids"][1:], pos[:, 0].numpy())
-    with pytest.raises(ValueError, match="use_audio_in_video is not supported"):
-        ld.build_processor("qwen3_omni_moe", info["path"], use_audio_in_video=True)
+    assert s["position_ids"].dtype == np.float32 and pos.dtype == torch.float32
+    np.testing.assert_array_equal(s["position_ids"][1:], pos[:, 0].numpy())  # bit for bit
+    np.testing.assert_array_equal(s["position_ids"][0], np.arange(len(ids[0])))
+    frac = s["position_ids"][1:] % 1
+    assert (frac != 0).any() == (pps != 4)  # the fractional times are really there
+    if use_audio_in_video:
+        mine, theirs = _omni3_upstream_interleave(s, info, pps)
+        assert mine == theirs
+        assert "VA" in mine and "AV" in mine  # interleaved token by token, not in 2 s runs

@@ -294,19 +294,22 @@ def _omni3_samples():
         OmniSampleSpec(text=10, prompt=2),
         OmniSampleSpec(text=1, prompt=0),  # a length-1 sample
         OmniSampleSpec(text=4, images=[(1, 4, 4)], audios=[150]),  # a 2-chunk clip
-        # video (2 s per temporal patch: integral TMRoPE times), an image, clips of 45, 8 (one
-        # token) and 120 frames, every modality in one sample. Every audio sample has a full
-        # 100-frame chunk: upstream pads chunks to its batch's longest, which moves the edge
-        # frames of shorter chunks (~1e-5 on the first convolution's bias gradient); a pack
-        # pads to the pack's longest.
+        # a video with its own sound track (use_audio_in_video: interleaved token by token;
+        # 0.5 s per temporal patch: fractional TMRoPE times, 6.5 at 13 per second), an image,
+        # clips of 45, 8 (one token) and 120 frames: every modality in one sample. Every audio
+        # sample has a full 100-frame chunk: upstream pads chunks to its batch's longest, which
+        # moves the edge frames of shorter chunks (~1e-5 on the first convolution's bias
+        # gradient); a pack pads to the pack's longest.
         OmniSampleSpec(
             text=3,
             videos=[(2, 4, 4)],
+            video_audio=[230],
             images=[(1, 2, 6)],
             audios=[45, 8, 120],
-            second_per_grid=2.0,
+            second_per_grid=0.5,
         ),
-        OmniSampleSpec(text=5, videos=[(2, 2, 2)], audios=[250], second_per_grid=2.0),
+        # a video without its sound (0.75 s per patch: 9.75), a standalone clip
+        OmniSampleSpec(text=5, videos=[(2, 2, 2)], audios=[250], second_per_grid=0.75),
     ]
 
 
@@ -344,6 +347,17 @@ def test_omni3_packed_matches_unpacked_upstream(experts):
         assert any(part in k for k in g), part
     for k in g_ref:
         torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-5, msg=k)  # grads ~1-10
+    pos = batch["position_ids"]  # float32, fractional where the videos are (kept, not rounded)
+    assert pos.dtype == torch.float32 and bool((pos % 1 != 0).any())
+    ids, types = batch["input_ids"], batch["mm_token_type_ids"]
+    cfg = model.config
+    opens = (ids[:-1] == cfg.vision_start_token_id) & (ids[1:] == cfg.audio_start_token_id)
+    video_block = types[int(opens.nonzero()[0]) :][:60]  # the video with its sound track
+    assert ((video_block[1:] == 2) & (video_block[:-1] == 3)).any()  # audio then video ...
+    assert ((video_block[1:] == 3) & (video_block[:-1] == 2)).any()  # ... token by token
+    with torch.no_grad():  # the check can fail: positions rounded as Qwen2.5-Omni's
+        wrong, _ = spec.packed_forward(model, dict(batch, position_ids=pos.floor()))
+        assert not torch.allclose(wrong, loss, rtol=1e-6)
 
 
 def test_omni3_router_aux_loss_matches_upstream():

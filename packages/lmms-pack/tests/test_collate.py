@@ -63,6 +63,15 @@ def test_multi_row_positions_preserved_and_text_broadcast():
         collate_packed([sample(3, rows=4), sample(3, rows=3)])
 
 
+def test_fractional_positions_keep_their_dtype():
+    a = sample(3, rows=4)
+    a["position_ids"] = a["position_ids"].astype(np.float32) + np.float32(0.5)
+    row = collate_packed([a, sample(2)], pad_to_multiple_of=8)
+    assert row["position_ids"].dtype == np.float32  # not truncated to int64
+    np.testing.assert_array_equal(row["position_ids"][:, :3], a["position_ids"])
+    np.testing.assert_array_equal(row["position_ids"][:, 3:5], np.tile([0.0, 1.0], (4, 1)))
+
+
 def test_given_1d_positions_are_kept():
     s = sample(3)
     s["position_ids"] = np.array([4, 5, 6])

@@ -159,7 +159,9 @@ def audio_reference_loss_sum(
 class OmniSampleSpec:
     """An omni sample: text, images and videos as patch grids ``(t, h, w)``, standalone audios
     as valid mel-frame counts, and ``video_audio``: each video's own sound track (its frame
-    count), interleaved with the video in ``seconds_per_chunk`` chunks (``use_audio_in_video``)."""
+    count), interleaved with the video (``use_audio_in_video``) in ``seconds_per_chunk`` runs
+    (Qwen2.5-Omni) or token by token in TMRoPE time (a spec whose ``audio_in_video`` is
+    ``"tokens"``: Qwen3-Omni)."""
 
     text: int = 6
     images: Sequence[tuple[int, int, int]] = ()
@@ -182,10 +184,24 @@ def _chunks(values: torch.Tensor, per_chunk: int) -> list[tuple[int, int]]:
     return out
 
 
+def _merge_by_time(video_keys: list[float], n_audio: int, video: int, audio: int) -> list[int]:
+    """Qwen3-Omni's interleaving (upstream processor's rule): the next video token goes first
+    while its TMRoPE time is ``<=`` the next audio token's index; the rest of either follows."""
+    out, v, a = [], 0, 0
+    while v < len(video_keys) and a < n_audio:
+        if video_keys[v] <= a:
+            out.append(video)
+            v += 1
+        else:
+            out.append(audio)
+            a += 1
+    return out + [video] * (len(video_keys) - v) + [audio] * (n_audio - a)
+
+
 def make_omni_sample(
     spec: ModelSpec, config: Any, s: OmniSampleSpec, *, gen: torch.Generator
 ) -> dict[str, Any]:
-    """One Qwen2.5-Omni sample in the layout of upstream's processor; ``ref_kwargs`` holds the
+    """One Qwen2.5-Omni / Qwen3-Omni sample in the layout of upstream's processor; ``ref_kwargs`` holds the
     upstream call's media, ``position_media`` what :meth:`sample_position_ids` needs."""
     vc, ac = config.vision_config, config.audio_config
     merge2 = vc.spatial_merge_size**2
@@ -207,16 +223,23 @@ def make_omni_sample(
         frames = s.video_audio[i]
         clips.append(frames)
         n_aud = int(spec.audio_token_lengths(torch.tensor([frames]), ac)[0])  # type: ignore[attr-defined]
-        per = int(config.position_id_per_seconds * config.seconds_per_chunk)
-        t_idx = (torch.arange(t) * s.second_per_grid * config.position_id_per_seconds).long()
-        v_vals = t_idx.repeat_interleave(n_vid // t)
-        v_chunks, a_chunks = _chunks(v_vals, per), _chunks(torch.arange(n_aud), per)
         ids += [vs, as_]
-        for j in range(max(len(v_chunks), len(a_chunks))):
-            if j < len(v_chunks):
-                ids += [config.video_token_id] * (v_chunks[j][1] - v_chunks[j][0])
-            if j < len(a_chunks):
-                ids += [config.audio_token_id] * (a_chunks[j][1] - a_chunks[j][0])
+        if getattr(spec, "audio_in_video", "chunks") == "tokens":  # Qwen3-Omni: token by token
+            keys = [i * s.second_per_grid * config.position_id_per_seconds for i in range(t)]
+            ids += _merge_by_time(
+                [k for k in keys for _ in range(n_vid // t)], n_aud, config.video_token_id,
+                config.audio_token_id,
+            )  # fmt: skip
+        else:  # Qwen2.5-Omni: runs of seconds_per_chunk
+            per = int(config.position_id_per_seconds * config.seconds_per_chunk)
+            t_idx = (torch.arange(t) * s.second_per_grid * config.position_id_per_seconds).long()
+            v_vals = t_idx.repeat_interleave(n_vid // t)
+            v_chunks, a_chunks = _chunks(v_vals, per), _chunks(torch.arange(n_aud), per)
+            for j in range(max(len(v_chunks), len(a_chunks))):
+                if j < len(v_chunks):
+                    ids += [config.video_token_id] * (v_chunks[j][1] - v_chunks[j][0])
+                if j < len(a_chunks):
+                    ids += [config.audio_token_id] * (a_chunks[j][1] - a_chunks[j][0])
         ids += [ae, ve, *rand(1)]
     for frames in s.audios:
         clips.append(frames)

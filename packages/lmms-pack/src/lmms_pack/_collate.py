@@ -66,7 +66,8 @@ def collate_packed(
     token to predict the next sample's first), ``shift_labels [T]`` (shifted within each sample;
     the last token of every sample and all padding are ``ignore_index``), ``position_ids``
     (``[T]`` restarting at 0 in every sample, or ``[R, T]`` when a sample carries ``[R, L]``
-    positions, which are kept as given; 1-D or missing positions are broadcast to the R rows),
+    positions, which are kept as given, floating ones (Qwen3-Omni's fractional TMRoPE times)
+    in their dtype; 1-D or missing positions are broadcast to the R rows),
     ``cu_seqlens [n+1]`` int32, ``max_seqlen``, ``num_samples`` and ``num_loss_tokens``.
 
     ``pad_to_multiple_of`` pads the row to a multiple (sequence-parallel degree, tensor cores):
@@ -105,6 +106,9 @@ def collate_packed(
             f"samples of one pack carry position_ids with different row counts {sorted(rows)}"
         )
     position_ids = np.tile(flat, (rows.pop(), 1)) if rows else flat
+    given = [p[2].dtype for p in parts if p[2] is not None]
+    if any(np.issubdtype(d, np.floating) for d in given):  # fractional positions kept as given
+        position_ids = position_ids.astype(np.result_type(*given))
     for (_, _, pos), a, b in zip(parts, starts[:n], starts[:n] + lens):
         if pos is not None:
             position_ids[..., a:b] = pos

@@ -261,6 +261,18 @@ class Qwen2_5OmniDataProcessor(QwenVLProcessor):
             text = pieces[0] + "".join(f + r for f, r in zip(fills, pieces[1:], strict=True))
         return self._finish(sample, text, [block_of[o] for o in order], spg)
 
+    def rope_positions(self, ids: np.ndarray, sample: dict[str, Any], audio_blocks: list[int],
+                       spg: list[float]) -> np.ndarray:  # fmt: skip
+        """``[4, L]`` int64: the text row and the TMRoPE rows (:func:`tmrope_positions`) of
+        ``ids [L]``; ``audio_blocks``: tokens per audio block, ``spg``: seconds per grid."""
+        rope = tmrope_positions(
+            ids, tokens=self.token_ids, image_grid_thw=sample.get("image_grid_thw"),
+            video_grid_thw=sample.get("video_grid_thw"), audio_tokens=audio_blocks,
+            second_per_grid=spg, merge=self.merge, per_second=self.per_second,
+            seconds_per_chunk=self.seconds_per_chunk,
+        )  # fmt: skip
+        return np.concatenate([np.arange(len(ids), dtype=np.int64)[None], rope])
+
     def audio_tokens(self, frames: np.ndarray) -> np.ndarray:
         """Text placeholders per clip of ``frames [n]`` valid mel frames."""
         return np.asarray(audio_output_lengths(frames))
@@ -312,17 +324,11 @@ class Qwen2_5OmniDataProcessor(QwenVLProcessor):
         labels[(types != 0) | np.isin(ids, markers)] = IGNORE_INDEX
         if not (labels != IGNORE_INDEX).any():
             raise BadRecordError("no_assistant", "no supervised token after templating")
-        rope = tmrope_positions(
-            ids, tokens=self.token_ids, image_grid_thw=sample.get("image_grid_thw"),
-            video_grid_thw=sample.get("video_grid_thw"), audio_tokens=audio_blocks,
-            second_per_grid=spg, merge=self.merge, per_second=self.per_second,
-            seconds_per_chunk=self.seconds_per_chunk,
-        )  # fmt: skip
         L = len(ids)
         sample.update(
             input_ids=ids,
             labels=labels,
-            position_ids=np.concatenate([np.arange(L, dtype=np.int64)[None], rope]),  # [4, L]
+            position_ids=self.rope_positions(ids, sample, audio_blocks, spg),  # [4, L]
             length=L,
             vision_tokens=int(((types == 1) | (types == 2)).sum()),
             audio_tokens=int((types == AUDIO_TYPE_ID).sum()),

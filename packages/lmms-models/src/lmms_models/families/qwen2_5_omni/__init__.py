@@ -124,6 +124,9 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
     media_keys = (*Qwen2_5_VLSpec.media_keys, *_AUDIO_KEYS)
     host_keys = (*Qwen2_5_VLSpec.host_keys, "audio_feature_lens", "audio_frames")
     presets = {"3b": QWEN2_5_OMNI_3B, "7b": QWEN2_5_OMNI_7B}  # noqa: RUF012
+    #: How a video and its own sound track interleave (``use_audio_in_video``): in runs of
+    #: ``seconds_per_chunk`` of TMRoPE time ("chunks"), or token by token ("tokens", Qwen3-Omni).
+    audio_in_video = "chunks"
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         out = merge_tiny(_TINY, {k: v for k, v in overrides.items() if k != "audio_config"})

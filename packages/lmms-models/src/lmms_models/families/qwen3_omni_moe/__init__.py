@@ -3,8 +3,9 @@ part of Qwen3-Omni (talker and code2wav are not trained). The Qwen3-VL vision to
 deepstack, an audio encoder of three stride-2 2-D convolutions over ``2·n_window``-frame chunks
 followed by transformer blocks attending within ``n_window_infer``-frame windows (varlen by
 construction), and a Qwen3-MoE decoder (top-k routed experts, router aux loss) with TMRoPE:
-``[4, T]`` positions (text row + 3 interleaved M-RoPE rows), video time at
-``position_id_per_seconds``.
+``[4, T]`` float32 positions (text row + 3 interleaved M-RoPE rows), video time at
+``position_id_per_seconds`` kept fractional as upstream computes it; with ``use_audio_in_video``
+a video's frames and its sound track interleave token by token in TMRoPE time.
 
 Built from three existing parts, none re-implemented:
 
@@ -80,7 +81,7 @@ _TINY: dict[str, Any] = {
         "conv_chunksize": 500,
     },
     "audio_token_id": 1006, "audio_start_token_id": 1007, "audio_end_token_id": 1008,
-    "position_id_per_seconds": 25, "seconds_per_chunk": 2, "tie_word_embeddings": False,
+    "position_id_per_seconds": 13, "seconds_per_chunk": 2, "tie_word_embeddings": False,
 }  # fmt: skip
 
 
@@ -106,6 +107,7 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
     mask_mapping = False
     prepared_mask = True
     presets = {"30b_a3b": QWEN3_OMNI_30B_A3B}  # noqa: RUF012
+    audio_in_video = "tokens"
 
     # Qwen3-VL's vision side (the MRO would otherwise reach Qwen2.5-VL's first).
     host_vision_inputs = Qwen3VLSpec.host_vision_inputs
@@ -123,6 +125,22 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
         if isinstance(overrides.get("audio_config"), dict):
             out["audio_config"] = {**out["audio_config"], **overrides["audio_config"]}
         return out
+
+    def sample_position_ids(
+        self, model: nn.Module, input_ids: torch.Tensor, **media: Any
+    ) -> torch.Tensor:
+        """``[4, L]`` float32 through upstream's ``get_rope_index``: Qwen3-Omni's TMRoPE times
+        are fractional (``t · second_per_grid · position_id_per_seconds``, kept as computed; the
+        rotary embedding takes float positions), so nothing is rounded (lmms-data's processor
+        emits the same float32 rows, tested equal)."""
+        ids = input_ids.reshape(1, -1)  # [1, L]
+        rows, _ = self.base_model(model).get_rope_index(
+            ids, media.get("image_grid_thw"), media.get("video_grid_thw"),
+            torch.ones_like(ids), bool(media.get("use_audio_in_video", False)),
+            media.get("audio_feature_lens"), media.get("second_per_grid_ts"),
+        )  # fmt: skip
+        text = torch.arange(ids.shape[1], device=ids.device, dtype=torch.float32)[None]
+        return torch.cat([text, rows[:, 0].float()], 0)  # [4, L]
 
     def audio_token_lengths(self, frames: torch.Tensor, audio_config: Any) -> torch.Tensor:
         """Text placeholders per clip of ``frames [n]`` mel frames."""
