@@ -5,6 +5,7 @@ Depends on torch only; Triton (shipped with CUDA builds of torch) is imported la
 
 from ._flat_adamw import flat_adamw_, segment_chunks
 from ._groups import DEFAULT_ADAMW_PATTERNS, build_muon_param_groups
+from ._lowp_adamw import LowPrecisionAdamW, stochastic_round_
 from ._master_adamw import MasterAdamW
 from ._master_muon import MasterMuon
 from ._muon import Muon, lr_scale
@@ -19,6 +20,7 @@ from ._ns import (
 __all__ = [
     "COEFFICIENT_SCHEDULES",
     "DEFAULT_ADAMW_PATTERNS",
+    "LowPrecisionAdamW",
     "MasterAdamW",
     "MasterMuon",
     "Muon",
@@ -30,5 +32,6 @@ __all__ = [
     "newton_schulz_reference",
     "resolve_schedule",
     "segment_chunks",
+    "stochastic_round_",
 ]
 __version__ = "0.1.0"
