@@ -25,6 +25,7 @@ FAMILIES = (
 FAMILIES += ("llava_onevision",)  # anyres images, multi-image, video
 FAMILIES += ("qwen3_5", "qwen3_5_moe", "fla_gated_deltanet")  # linear attention (Gated DeltaNet)
 FAMILIES += ("llama",)  # also LLaDA's checkpoint layout (docs/diffusion-lm.md)
+FAMILIES += ("bagel",)  # unified understanding + generation (ce_flow_matching)
 
 
 def test_every_family_has_examples():
@@ -55,6 +56,7 @@ TINY = {  # each family's tiny CPU example
     "qwen3_5_moe": "qwen3_5_moe/tiny_cpu.yaml",
     "fla_gated_deltanet": "fla_gated_deltanet/tiny_cpu.yaml",
     "llama": "llama/tiny_cpu.yaml",
+    "bagel": "bagel/tiny_cpu.yaml",
 }
 
 
@@ -87,7 +89,7 @@ def test_tiny_example_trains(family, tmp_path):
     assert [r["step"] for r in steps] == [1, 2], rows
     assert all(math.isfinite(r["loss"]) and 0 < r["loss"] < 10 for r in steps), steps
     assert all(r["samples"] > 0 and r["bad_records"] == 0 for r in steps), steps
-    vl = "_vl" in family or family in ("llava_onevision", "qwen3_5", "qwen3_5_moe")
+    vl = "_vl" in family or family in ("llava_onevision", "qwen3_5", "qwen3_5_moe", "bagel")
     omni = family in ("qwen2_5_omni", "qwen3_omni_moe")
     if not omni:  # omni data: image shards and audio shards, packs of either
         assert all((r["vision_tokens"] > 0) == vl for r in steps), steps

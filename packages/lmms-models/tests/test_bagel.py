@@ -2,7 +2,7 @@
 independent reference, packed == unpacked (loss and gradients) for understanding, generation,
 editing and mixed packs with a length-1 sample, FlexAttention == per-sample SDPA, the public
 checkpoint's key layout at the 7B-MoT preset, deterministic noise draws, AC, FSDP2 2 ranks == 1
-and Ulysses SP 2 == 1 (gloo)."""
+and Ulysses SP 2 == 1 (gloo); the FLUX-layout VAE loads into diffusers' AutoencoderKL."""
 
 from __future__ import annotations
 
@@ -301,3 +301,98 @@ def test_pretrained_folder_round_trip_and_frozen_vae(tmp_path):
     a, _, _ = cases.loss_grads(spec, model, rows[0])
     b, _, _ = cases.loss_grads(spec, again, rows[1])
     assert a == b
+
+
+def _flux_ae_keys(ch: int, ch_mult: tuple[int, ...], n_res: int) -> set[str]:
+    """Parameter names of FLUX's autoencoder (``flux/modules/autoencoder.py``: Encoder ``down``
+    levels of ``n_res`` ResNet blocks, Decoder ``up`` levels of ``n_res + 1``, one mid attention
+    of 1x1 convolutions), enumerated from that structure independently of the converter."""
+    keys: set[str] = set()
+
+    def conv(p: str) -> None:
+        keys.update({p + ".weight", p + ".bias"})
+
+    def res(p: str, c_in: int, c_out: int) -> None:
+        for name in ("norm1", "conv1", "norm2", "conv2"):
+            conv(f"{p}.{name}")
+        if c_in != c_out:
+            conv(f"{p}.nin_shortcut")
+
+    def mid(p: str, c: int) -> None:
+        res(f"{p}.mid.block_1", c, c)
+        for name in ("norm", "q", "k", "v", "proj_out"):
+            conv(f"{p}.mid.attn_1.{name}")
+        res(f"{p}.mid.block_2", c, c)
+
+    n = len(ch_mult)
+    conv("encoder.conv_in")
+    c_in = ch
+    for i, m in enumerate(ch_mult):
+        for j in range(n_res):
+            res(f"encoder.down.{i}.block.{j}", c_in, ch * m)
+            c_in = ch * m
+        if i != n - 1:
+            conv(f"encoder.down.{i}.downsample.conv")
+    mid("encoder", c_in)
+    conv("encoder.norm_out")
+    conv("encoder.conv_out")
+    conv("decoder.conv_in")
+    c_in = ch * ch_mult[-1]
+    mid("decoder", c_in)
+    for i in reversed(range(n)):
+        for j in range(n_res + 1):
+            res(f"decoder.up.{i}.block.{j}", c_in, ch * ch_mult[i])
+            c_in = ch * ch_mult[i]
+        if i != 0:
+            conv(f"decoder.up.{i}.upsample.conv")
+    conv("decoder.norm_out")
+    conv("decoder.conv_out")
+    return keys
+
+
+def test_flux_vae_layout_loads_into_diffusers_autoencoder(tmp_path):
+    """FLUX-layout VAE weights (``ae.safetensors``) -> diffusers ``AutoencoderKL``: at FLUX's
+    size the converter's names are exactly FLUX's (attention as [C, C, 1, 1] convolutions); a
+    tiny random VAE written in FLUX names and read back into a differently initialised one
+    encodes and decodes identically; a model config ``vae: <folder with ae.safetensors>``
+    attaches it."""
+    diffusers = pytest.importorskip("diffusers")
+    from safetensors.torch import save_file
+
+    from lmms_models._diffusion import encoders_of
+    from lmms_models.families.bagel import FLUX_VAE_CONFIG, diffusers_to_flux, load_flux_vae
+
+    with torch.device("meta"):
+        full = diffusers.AutoencoderKL(**FLUX_VAE_CONFIG)
+    flux = diffusers_to_flux(full.state_dict())
+    assert set(flux) == _flux_ae_keys(128, (1, 2, 4, 4), 2)
+    assert flux["decoder.mid.attn_1.q.weight"].shape == (512, 512, 1, 1)
+    assert flux["encoder.conv_out.weight"].shape == (32, 512, 3, 3)  # 2 x 16 latent channels
+
+    tiny = dict(FLUX_VAE_CONFIG, block_out_channels=[32, 32, 64], latent_channels=4,
+                down_block_types=["DownEncoderBlock2D"] * 3, up_block_types=["UpDecoderBlock2D"] * 3,
+                layers_per_block=1)  # fmt: skip
+    torch.manual_seed(0)
+    ref = diffusers.AutoencoderKL(**tiny).eval()
+    state = diffusers_to_flux(ref.state_dict())
+    assert set(state) == _flux_ae_keys(32, (1, 1, 2), 1)
+    folder = tmp_path / "flux_vae"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "ae.safetensors"))
+    (folder / "ae_config.json").write_text(json.dumps(tiny))
+    torch.manual_seed(1)  # a different initialisation, overwritten by the file
+    vae = load_flux_vae(folder / "ae.safetensors", tiny)
+    px = torch.rand(1, 3, 16, 16) * 2 - 1
+    with torch.no_grad():
+        z_ref, z = ref.encode(px).latent_dist.mean, vae.encode(px).latent_dist.mean
+        assert torch.equal(z, z_ref)
+        assert torch.equal(vae.decode(z).sample, ref.decode(z_ref).sample)
+    with pytest.raises(ValueError, match="not a FLUX autoencoder"):
+        load_flux_vae(folder / "ae.safetensors", dict(tiny, latent_channels=8))
+
+    spec = get_model_spec("bagel")
+    model = spec.build(config={**spec.tiny_config(latent_channels=4), "vae": str(folder)})
+    attached = encoders_of(model)["vae"]
+    assert all(torch.equal(a, b) for a, b in zip(attached.state_dict().values(),
+                                                 ref.state_dict().values(), strict=True))  # fmt: skip
+    assert spec.pixel_encoder(model)(px[0]).shape == (4, 4, 4)  # factor 4 on this tiny VAE

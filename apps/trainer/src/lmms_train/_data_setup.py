@@ -74,6 +74,11 @@ def _generate(g: Any, dataset_path: str, spec: Any) -> None:
     from lmms_data import generate_synthetic_audio, generate_synthetic_text, generate_synthetic_vl
 
     out = dataset_path if not Path(dataset_path).suffix else str(Path(dataset_path).parent)
+    if (g.kind or getattr(spec, "synthetic_kind", "")) == "bagel":
+        from lmms_data import generate_synthetic_bagel
+
+        generate_synthetic_bagel(out, g.num_samples, seed=g.seed, image_size=g.image_size)
+        return None
     if (g.kind or getattr(spec, "synthetic_kind", "")) in ("shapes", "clips"):
         from lmms_train._latent_data import generate_latent_demo
 
@@ -149,10 +154,12 @@ def _unwrap(exc: BaseException) -> tuple[str, str]:
 
 
 class TrainData:
-    """The training stream for this rank: packed batches, resumable, with clear data errors."""
+    """The training stream for this rank: packed batches, resumable, with clear data errors.
+    `finish(batch)`: the family's last packing step on the host (bagel: rows of parts -> the
+    packed row, `spec.finish_pack`); stateless, so the loader's state stays the resume point."""
 
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
+    def __init__(self, loader: Any, finish: Any = None) -> None:
+        self.loader, self.finish = loader, finish
 
     def __iter__(self):
         it = iter(self.loader)
@@ -190,6 +197,11 @@ class TrainData:
                         "(raise packing_length or shorten the samples)"
                     ) from None
                 raise
+            if self.finish is not None:
+                try:
+                    batch = self.finish(batch)
+                except ValueError as exc:
+                    raise ConfigError(f"dataset_config: {exc}") from None
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -248,7 +260,9 @@ def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, An
         return build_latent_data(cfg, env, spec)
     from lmms_data import build_dataloader, build_processor
 
-    dcfg = data_config(cfg, spec)
+    dcfg, finish = data_config(cfg, spec), None
+    if hasattr(spec, "finish_pack"):  # packed model-side (bagel): options from the model config
+        dcfg, finish = _model_side_packing(cfg, spec, dcfg)
     _check_inputs(cfg, spec, dcfg)
     try:
         processor = build_processor(dcfg.processor_family, dcfg.processor_path, dcfg)
@@ -272,11 +286,28 @@ def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, An
     d, t = cfg.dataset_config, cfg.trainer_args
     if d.eval_dataset_path is not None and t.eval_steps > 0:
         ecfg = data_config(
-            cfg, spec, dataset_path=d.eval_dataset_path, shuffle=False, num_workers=0
-        )
+            cfg, spec, dataset_path=d.eval_dataset_path, shuffle=False, num_workers=0,
+            extra=dcfg.extra,
+        )  # fmt: skip
 
         def eval_data() -> list[dict[str, Any]]:
             fresh = build_dataloader(ecfg, processor, dp_rank=env.dp_rank, dp_world=env.dp_size)
-            return list(itertools.islice(iter(TrainData(fresh)), t.eval_batches))
+            return list(itertools.islice(iter(TrainData(fresh, finish)), t.eval_batches))
 
-    return TrainData(loader), eval_data
+    return TrainData(loader, finish), eval_data
+
+
+def _model_side_packing(cfg: TrainConfig, spec: Any, dcfg: Any) -> tuple[Any, Any]:
+    """A family that packs model-side (bagel): its processor options derived from the model
+    config (`spec.processor_options`, under the user's `dataset_config.extra`) and the host-side
+    step that makes each loader row the packed row (`spec.finish_pack`)."""
+    import functools
+
+    from lmms_train._latent_data import model_config_for_data
+
+    conf = model_config_for_data(cfg, spec)
+    try:
+        extra = {**spec.processor_options(conf), **dcfg.extra}
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model_config: {exc}") from None
+    return dataclasses.replace(dcfg, extra=extra), functools.partial(spec.finish_pack, conf)

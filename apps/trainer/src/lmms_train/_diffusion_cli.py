@@ -8,7 +8,8 @@
 `render` integrates the probability-flow ODE (``lmms_models._flow_matching.ode_sample``) from a
 trained checkpoint folder (the run's ``hf/``; the run's ``config.yaml`` next to it gives the
 objective's options) and writes a PNG grid (SiT: one row per class) or a GIF/MP4 (Wan: one clip
-per prompt, side by side), decoding through the VAE when the model has one.
+per prompt, side by side; BAGEL: one image per prompt, side by side), decoding through the VAE when
+the model has one.
 
 `precompute` runs the frozen encoders of CONFIG's model over its dataset once (in order, one
 epoch) and writes Parquet shards of ``latents`` and ``label`` / ``text_embeds`` (npy bytes), which
@@ -102,6 +103,22 @@ def render_main(args: list[str]) -> int:
 
     folder = Path(rest[0])
     spec = _spec_of(folder)
+    if spec.name == "bagel":  # prompt -> image (lmms_train._render.render_bagel)
+        from lmms_train._render import render_bagel
+
+        model = spec.build(pretrained=str(folder)).eval()
+        size = (int(o.get("--height", 32)), int(o.get("--width", 32)))
+        try:
+            path = render_bagel(
+                spec, model, o["--out"], prompts=o["--prompt"] or [""],
+                processor=o.get("--processor", str(folder)), size=size,
+                steps=int(o.get("--steps", 32)), guidance=float(o.get("--guidance", 1.0)),
+                seed=int(o.get("--seed", 0)),
+            )  # fmt: skip
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        print(f"lmms-train: wrote {path}", file=sys.stderr)
+        return 0
     cfg = _objective_config(spec, folder, o.get("--objective-args"))
     model = spec.build(pretrained=str(folder)).eval()
     common = dict(steps=int(o.get("--steps", 32)), method=o.get("--method", "euler"),

@@ -82,6 +82,8 @@ def _flops_fn(run: Run):
     spec, conf = run.spec, run.hf_config
 
     def fn(batch: dict[str, Any], lens: list[int]) -> tuple[float, ...]:
+        if hasattr(spec, "pack_flops"):  # counted from the pack itself (bagel: mask, experts)
+            return spec.pack_flops(conf, batch)
         lm = float(spec.lm_flops(conf, lens))
         half = float(spec.lm_flops(conf, lens, causal_half=True))
         skipped = 0.0

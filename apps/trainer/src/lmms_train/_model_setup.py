@@ -116,7 +116,7 @@ def build_objective(cfg: TrainConfig, spec: Any = None) -> Any:
 
 def _set_where_present(conf: dict[str, Any], key: str, value: Any) -> bool:
     hit = False
-    for node in (conf, conf.get("text_config"), conf.get("vision_config")):
+    for node in (conf, conf.get("text_config"), conf.get("vision_config"), conf.get("llm")):
         if isinstance(node, dict) and key in node:
             node[key] = max(node[key], value) if key == "vocab_size" else value
             hit = True
@@ -282,6 +282,8 @@ def build_model(
             from lmms_models.objectives.llada_layout import pretrained_key_map
 
             key_map = pretrained_key_map(weights) if isinstance(weights, str) else None  # LLaDA
+            if isinstance(weights, str) and env.rank == 0 and hasattr(spec, "pretrained_weights"):
+                weights = spec.pretrained_weights(weights)  # read by the family (e.g. Omni)
             load_full_state_dict(model, weights if env.rank == 0 else None, key_map=key_map)
             del weights
     _place_frozen_encoders(model, spec, env, t)

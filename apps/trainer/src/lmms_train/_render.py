@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["precompute", "render_sit", "render_wan", "sample_latents"]
+__all__ = ["precompute", "render_bagel", "render_sit", "render_wan", "sample_latents"]
 
 _SCALE = 4  # upscaling of tiny renders (nearest) so they can be looked at
 
@@ -129,6 +129,42 @@ def render_wan(
         imgs = [Image.fromarray(fr).resize((fr.shape[1] * _SCALE, fr.shape[0] * _SCALE),
                                            Image.NEAREST) for fr in frames]  # fmt: skip
         imgs[0].save(out, save_all=True, append_images=imgs[1:], duration=125, loop=0)
+    return Path(out)
+
+
+def render_bagel(
+    spec: Any, model: Any, out: str, *, prompts: list[str], processor: str,
+    size: tuple[int, int], steps: int, guidance: float, seed: int,
+) -> Path:  # fmt: skip
+    """A PNG of one image per prompt, side by side: each prompt goes through the ``bagel``
+    processor's chat markup, then ``families.bagel.generate_latents`` (Euler steps of the
+    velocity field, classifier-free guidance against an empty prompt when ``guidance > 1``) and
+    the model's VAE (or pixel-space stand-in) decodes. ``size``: pixels (height, width)."""
+    from lmms_data import build_processor
+    from lmms_models.families.bagel._sample import generate_latents
+
+    conf = model.config
+    proc = build_processor("bagel", processor, **spec.processor_options(conf))
+    decode = spec.latent_decoder(model)
+    if decode is None:
+        raise ValueError("render: this checkpoint has no VAE to decode its latents")
+    f = conf.vae_downsample * conf.latent_patch_size
+    if size[0] % f or size[1] % f:
+        raise ValueError(f"render: --height/--width must be multiples of {f}")
+    shape = (conf.latent_channels, size[0] // conf.vae_downsample, size[1] // conf.vae_downsample)
+    tiles = []
+    for i, prompt in enumerate(prompts):
+        lat = generate_latents(
+            model, proc.generation_prompt(prompt), shape, start_of_image=proc.start_of_image,
+            end_of_image=proc.end_of_image, steps=steps, guidance=guidance,
+            null_prompt=proc.generation_prompt(""), seed=seed + i,
+        )  # fmt: skip
+        tiles.append(_to_uint8(decode(lat)).transpose(1, 2, 0))
+    grid = np.concatenate(tiles, axis=1)
+    pil = Image.fromarray(grid).resize((grid.shape[1] * _SCALE, grid.shape[0] * _SCALE),
+                                       Image.NEAREST)  # fmt: skip
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    pil.save(out)
     return Path(out)
 
 

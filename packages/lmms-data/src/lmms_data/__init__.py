@@ -13,6 +13,7 @@ Public API::
     generate_synthetic_text(out_dir, n, format="parquet" | "jsonl", seed=0)   # text-only records
     generate_synthetic_audio(out_dir, n, format="parquet" | "jsonl", seed=0)  # tone "digits"
     generate_synthetic_omni(out_dir, n, ...)   # half image records, half audio records
+    generate_synthetic_bagel(out_dir, n, ...)  # shapes: captions, drawings, edits (BAGEL)
     decode_audio(src, sampling_rate) ; AudioOptions(...)   # the audio path (extra `audio`)
 """
 
@@ -45,6 +46,7 @@ from lmms_data._registry import (
 from lmms_data._stream import SlotStream
 from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
 from lmms_data._synthetic_audio import generate_synthetic_audio, generate_synthetic_omni
+from lmms_data._synthetic_bagel import generate_synthetic_bagel
 from lmms_data._synthetic_diffusion import generate_synthetic_clips, generate_synthetic_shapes
 from lmms_data.processors import (
     AUDIO_TYPE_ID,
@@ -93,6 +95,7 @@ __all__ = [
     "decode_audio",
     "discover_units",
     "generate_synthetic_audio",
+    "generate_synthetic_bagel",
     "generate_synthetic_clips",
     "generate_synthetic_omni",
     "generate_synthetic_shapes",

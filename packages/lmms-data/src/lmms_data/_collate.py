@@ -26,7 +26,13 @@ def collate_packed_batch(
     ``mm_token_type_ids [T]`` (when any sample has it; padding is 0) and ``vision_tokens`` (int).
 
     Returns CPU torch tensors (``as_torch=False``: numpy). See docs/contracts.md, "packed batch".
+    Samples of a processor that leaves packing to the model (``parts``: BAGEL) become a row of
+    parts instead (``lmms_data.processors.collate_parts``).
     """
+    if samples and "parts" in samples[0]:
+        from lmms_data.processors._bagel import collate_parts
+
+        return collate_parts(samples)
     row: dict[str, Any] = collate_packed(samples, pad_to_multiple_of, pad_token_id)
     T = row["input_ids"].shape[0]
     for key in MEDIA_KEYS:

@@ -93,6 +93,8 @@ def build_local_processor(
         family = "qwen3"
     if family in AUDIO_FAMILIES:
         return build_local_audio_processor(out_dir, family, vocab_size=vocab_size)
+    if family == "bagel":  # BAGEL reads Qwen2.5's tokenizer (<|vision_start|>/<|vision_end|>)
+        family = "qwen2_5_vl"
     if family == "llava_onevision":
         from lmms_data._local_llava import build_local_llava_processor
 

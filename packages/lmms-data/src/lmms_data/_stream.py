@@ -28,6 +28,21 @@ Ref = tuple[int, int, int, int]  # (source, epoch, unit, pos)
 _STATE_VERSION = 1
 
 
+def ref_seed(ref: Ref) -> int:
+    """A sample's seed from its record reference ``(source, epoch, unit, pos)`` (splitmix64 of
+    the four, 48 bits): the same on any rank, packed with anything, before and after a resume;
+    a record seen again in another epoch draws anew."""
+    x = 0
+    for v in ref:
+        x = (x * 0x100000001B3 + int(v) + 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+        x ^= x >> 31
+    return x >> 16
+
+
 class _Source:
     """One dataset of the mixture, as seen by one slot: its units for each epoch, in order."""
 
@@ -167,6 +182,8 @@ class SlotStream:
                             part[t], t, base, allow_absolute=self.cfg.allow_absolute_paths
                         )
             sample = self.processor(messages)
+            if "parts" in sample:  # packed model-side (BAGEL): the sample's own noise seed
+                sample["seed"] = ref_seed(ref)
             if self.cfg.packing and sample["length"] > self.cfg.packing_length:
                 raise BadRecordError(
                     "too_long",

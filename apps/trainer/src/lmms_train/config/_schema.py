@@ -87,11 +87,12 @@ class ModelConfig:
 class SyntheticDataConfig:
     """Generate a deterministic synthetic dataset if `dataset_path` is missing."""
 
-    kind: Literal["vl", "text", "shapes", "clips", "audio", "omni"] | None = _f(
+    kind: Literal["vl", "text", "shapes", "clips", "audio", "omni", "bagel"] | None = _f(
         None,
         "`shapes`: coloured shapes with class labels, `clips`: moving-shape clips with captions "
         "(diffusion transformers: `lmms_data.generate_synthetic_shapes` / `_clips`; the "
-        "default for sit / wan); "
+        "default for sit / wan); `bagel`: shapes to caption, to draw and to recolour "
+        "(`generate_synthetic_bagel`; the default for bagel); "
         "`vl`: coloured-shape images with questions (`lmms_data.generate_synthetic_vl`); `text`: "
         "text-only chats (sums, copy, reverse; `generate_synthetic_text`); `audio`: tone "
         '"digits" with questions (`generate_synthetic_audio`); `omni`: half of each of `vl` '
@@ -239,6 +240,15 @@ class TrainerArgs:
         "Keep an exponential moving average of the weights with this decay (e.g. 0.9999; "
         "null: none). Sharded like the weights, saved and resumed with the optimizer state, "
         "exported to `<output_dir>/hf_ema/` next to `hf/`.",
+    )
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32",
+        "AdamW's moments: `bfloat16` keeps `exp_avg` and `exp_avg_sq` in bf16, updated in fp32 "
+        "and rounded stochastically (`lmms_optim.LowPrecisionAdamW`; draws seeded by `seed`, "
+        "so a resume is exact): 12 instead of 16 bytes per trainable parameter on one process "
+        "with fp32 masters (what makes a 7B VL model's full fine-tuning fit one 141 GB GPU; "
+        "`benchmarks/optim/memory_fit.py`). Convergence against fp32 state: "
+        "`benchmarks/optim/bench_state_precision.py` (benchmarks/RESULTS.md). AdamW only.",
     )
     fused_master_step: bool = _f(
         True,

@@ -13,7 +13,11 @@ Messages use the usual format (docs/data.md): ``{"role", "content": [{"type": "t
   ``max_gen_side``), noised and trained by flow matching. The model side turns its pixels into
   latents (the frozen VAE, or the tiny pixel-space stand-in: see docs/bagel.md).
 
-Output: ``{"parts": [...], "length": tokens of the sample, "start_of_image", "end_of_image"}``.
+Output: ``{"parts": [...], "length": tokens of the sample, "start_of_image", "end_of_image",
+"vision_tokens"}``. The loader adds the sample's ``seed`` (its record reference hashed) and packs
+samples by ``length`` like any other; :func:`collate_parts` makes the pack a *row of parts*, which
+the model side (``BagelSpec.finish_pack``: lmms_models' ``pack_samples``) turns into the packed
+row it trains on.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from lmms_data._media import load_image
 from lmms_data._registry import register_processor
 from lmms_data.processors._chat import load_tokenizer
 
-__all__ = ["BagelDataProcessor", "fit_side"]
+__all__ = ["BagelDataProcessor", "collate_parts", "fit_side"]
 
 
 def fit_side(h: int, w: int, multiple: int, max_side: int) -> tuple[int, int]:
@@ -70,12 +74,18 @@ class BagelDataProcessor:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return {"type": "text", "ids": list(ids), "loss": loss}
 
+    def generation_prompt(self, text: str) -> list[dict[str, Any]]:
+        """The parts of a user turn ``text`` followed by the assistant's header: what a sampler
+        packs before the image slot it fills (``lmms-train render``)."""
+        return [self._text("<|im_start|>user\n", False), self._text(text, False),
+                self._text("<|im_end|>\n", False), self._text("<|im_start|>assistant\n", False)]  # fmt: skip
+
     def __call__(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         editing = any(
             p["type"] == "image" for m in messages if m["role"] == "assistant" for p in m["content"]
         )
         parts: list[dict[str, Any]] = []
-        length = 0
+        length = vision = 0
         for m in messages:
             gen = m["role"] == "assistant"
             parts.append(self._text(f"<|im_start|>{m['role']}\n", False))
@@ -94,6 +104,7 @@ class BagelDataProcessor:
                     h, w = fit_side(img.height, img.width, self.vit_patch, self.max_vit)
                     parts.append({"type": "vit", "pixels": _pixels(img, h, w)})
                     length += (h // self.vit_patch) * (w // self.vit_patch) + 2
+                    vision += (h // self.vit_patch) * (w // self.vit_patch)
                     if editing:
                         h, w = fit_side(img.height, img.width, self.lat_down, self.max_gen)
                         parts.append({"type": "vae_cond", "pixels": _pixels(img, h, w)})
@@ -109,4 +120,20 @@ class BagelDataProcessor:
         ):
             raise BadRecordError("no_assistant", "nothing to learn: no assistant text or image")
         return {"parts": parts, "length": length, "start_of_image": self.start_of_image,
-                "end_of_image": self.end_of_image}  # fmt: skip
+                "end_of_image": self.end_of_image, "vision_tokens": vision}  # fmt: skip
+
+
+def collate_parts(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """One pack of BAGEL samples -> a row of parts (host data; nothing is tokenised or encoded
+    here): ``{"bagel_parts": [parts per sample], "seeds": [int], "lengths": [int],
+    "start_of_image", "end_of_image", "num_samples", "vision_tokens"}``. ``seeds`` default to the
+    pack position when the samples carry none (a processor called outside the loader)."""
+    return {
+        "bagel_parts": [s["parts"] for s in samples],
+        "seeds": [int(s.get("seed", i)) for i, s in enumerate(samples)],
+        "lengths": [int(s["length"]) for s in samples],
+        "start_of_image": int(samples[0]["start_of_image"]),
+        "end_of_image": int(samples[0]["end_of_image"]),
+        "num_samples": len(samples),
+        "vision_tokens": int(sum(int(s.get("vision_tokens", 0)) for s in samples)),
+    }

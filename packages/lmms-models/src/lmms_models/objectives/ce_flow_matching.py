@@ -71,6 +71,9 @@ def mixed_terms(
     ``mixed_forward(model, batch, tokens [Ng, d], time [Ng], loss_backend) ->
     (ce_sum, ce_count, predictions [N_noised_tokens, d] or None)``.
     """
+    prepare = getattr(spec, "prepare_row", None)  # the row on the device, pixels encoded
+    if prepare is not None:
+        batch = prepare(model, batch)
     latents: list[torch.Tensor] = batch["vae_latents"]
     noised: list[bool] = batch["vae_noised"]
     tokens, times, targets = [], [], []

@@ -11,6 +11,7 @@ active). Docs: docs/bagel.md.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,9 +25,11 @@ from ..._spec import ModelSpec
 from ._mask import CAUSAL, FULL, NOISE, PackLayout, dense_mask, span_attention
 from ._model import Bagel, BagelConfig, LLMConfig, MoTDecoderLayer, SiglipEncoderLayer, ViTConfig
 from ._pack import batch_to, pack_samples, patchify, pixel_space_latents, unpatchify
+from ._vae import FLUX_VAE_CONFIG, diffusers_to_flux, flux_to_diffusers, load_flux_vae
 
 __all__ = [
     "CAUSAL",
+    "FLUX_VAE_CONFIG",
     "FULL",
     "NOISE",
     "Bagel",
@@ -39,6 +42,9 @@ __all__ = [
     "ViTConfig",
     "batch_to",
     "dense_mask",
+    "diffusers_to_flux",
+    "flux_to_diffusers",
+    "load_flux_vae",
     "pack_samples",
     "patchify",
     "pixel_space_latents",
@@ -66,8 +72,10 @@ class BagelSpec(ModelSpec):
     """The engine's view of BAGEL. Not a transformers class: :meth:`build` makes a :class:`Bagel`."""
 
     processor_family = "bagel"
+    synthetic_kind = "bagel"  # lmms-train's generate_synthetic default (lmms_data)
     presets = PRESETS
     default_objective = "ce_flow_matching"
+    objective_defaults: dict[str, Any] = {}  # noqa: RUF012 (ce_flow_matching's own defaults)
     supports_liger = False  # its RMSNorm/SwiGLU are its own modules (no Liger plan yet)
     media_keys = ("vit_patches", "vae_latents")
 
@@ -88,18 +96,36 @@ class BagelSpec(ModelSpec):
             conf[k] = {**conf[k], **v} if isinstance(v, dict) and k in ("llm", "vit") else v
         return conf
 
-    def make_config(self, config: dict[str, Any]) -> BagelConfig:
-        return BagelConfig.from_dict({k: v for k, v in config.items() if k != "vae"})
+    def make_config(self, config: dict[str, Any] | BagelConfig) -> BagelConfig:
+        """A :class:`BagelConfig` from this family's dict (``vae`` and the trainer's top-level
+        ``*_token_id`` keys of a local tokenizer are not model hyper-parameters: dropped)."""
+        if isinstance(config, BagelConfig):
+            return config
+        drop = lambda k: k == "vae" or k.endswith("_token_id")  # noqa: E731
+        return BagelConfig.from_dict({k: v for k, v in config.items() if not drop(k)})
+
+    def pretrained_config(self, path: str) -> dict[str, Any]:
+        """The config dict of a local folder (``config.json``, this family's keys)."""
+        return json.loads((Path(path) / "config.json").read_text())
 
     def attach_vae(self, model: nn.Module, source: dict[str, Any] | str) -> None:
-        """Attach a frozen diffusers ``AutoencoderKL`` (config dict: seeded random weights for
-        tiny runs; str: a local folder, e.g. the FLUX VAE in diffusers layout) outside the
-        trained module tree (not in the state dict, FSDP units or checkpoints)."""
+        """Attach the frozen VAE outside the trained module tree (not in the state dict, FSDP
+        units or checkpoints): ``"pixel_space"`` (no network: average pooling by
+        ``vae_downsample``, the tiny examples' stand-in, ``latent_channels: 3``), a config dict
+        (a diffusers ``AutoencoderKL`` with seeded random weights) or a local folder (diffusers
+        layout, or a FLUX-layout ``ae.safetensors``: :func:`load_flux_vae`)."""
         from ..._diffusion import attach_encoder, require_diffusers
 
+        if source == "pixel_space":
+            if model.config.latent_channels != 3:
+                raise ValueError("bagel: vae: pixel_space needs latent_channels: 3 (RGB latents)")
+            model.pixel_space_vae = True
+            return
         diffusers = require_diffusers()
         if isinstance(source, str):
-            vae = diffusers.AutoencoderKL.from_pretrained(source, local_files_only=True)
+            from ._vae import load_vae_folder
+
+            vae = load_vae_folder(source)
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
@@ -108,20 +134,26 @@ class BagelSpec(ModelSpec):
 
     def pixel_encoder(self, model: nn.Module) -> Any:
         """``pixels [3, H, W] in [-1, 1] -> latents [C, H/f, W/f]`` through the attached VAE
-        (posterior mean, ``(z - shift_factor) * scaling_factor`` as the FLUX VAE is used), or None
-        without one (``pack_samples(encode=...)``)."""
+        (posterior mean, ``(z - shift_factor) * scaling_factor`` as the FLUX VAE is used), the
+        pixel-space stand-in, or None without either (``pack_samples(encode=...)``)."""
         from ..._diffusion import encoders_of
         from ..sit import encode_latents
 
+        if getattr(model, "pixel_space_vae", False):
+            return pixel_space_latents(_cfg(model).vae_downsample)
         vae = encoders_of(model).get("vae")
         if vae is None:
             return None
         return lambda px: encode_latents(vae.to(px.device), px[None])[0]
 
     def latent_decoder(self, model: nn.Module) -> Any:
-        """``latents [C, h, w] -> pixels [3, H, W]``: the inverse scaling, then the VAE decoder."""
+        """``latents [C, h, w] -> pixels [3, H, W]``: the inverse scaling, then the VAE decoder
+        (pixel space: nearest upsampling)."""
         from ..._diffusion import encoders_of
 
+        if getattr(model, "pixel_space_vae", False):
+            f = _cfg(model).vae_downsample
+            return lambda z: torch.nn.functional.interpolate(z[None].float(), scale_factor=f)[0]
         vae = encoders_of(model).get("vae")
         if vae is None:
             return None
@@ -175,7 +207,62 @@ class BagelSpec(ModelSpec):
             vae = str(Path(pretrained) / "vae")
         if vae is not None:
             self.attach_vae(model, vae)
+        # exports write this family's folder (config.json + model.safetensors + vae/); an
+        # instance attribute, so FSDP2's wrapper class keeps it (lmms_parallel.export_hf)
+        model.save_pretrained = functools.partial(save_bagel, model)
         return model
+
+    # ---------------------------------------------------------------- data (lmms-train)
+    def processor_options(self, config: dict[str, Any] | BagelConfig) -> dict[str, Any]:
+        """lmms_data ``bagel`` processor options that must match the model (patch sizes and the
+        largest sides its position tables hold); ``dataset_config.extra`` may lower the sides."""
+        cfg = self.make_config(config)
+        lat_down = cfg.vae_downsample * cfg.latent_patch_size
+        return {
+            "vit_patch_size": cfg.vit.patch_size,
+            "max_vit_side": cfg.vit.patch_size * cfg.vit_max_num_patch_per_side,
+            "latent_downsample": lat_down,
+            "max_gen_side": lat_down * cfg.max_latent_size,
+        }
+
+    def finish_pack(
+        self, config: dict[str, Any] | BagelConfig, row: dict[str, Any], backend: str = "sdpa"
+    ) -> dict[str, Any]:
+        """lmms_data's row of parts (``collate_parts``) -> the packed row (:func:`pack_samples`,
+        host tensors; VAE pixels are encoded later on the device by :meth:`prepare_row`)."""
+        cfg = self.make_config(config)
+        out = pack_samples(
+            row["bagel_parts"], cfg, start_of_image=row["start_of_image"],
+            end_of_image=row["end_of_image"], seeds=row["seeds"], backend=backend,
+        )  # fmt: skip
+        if out["layout"].sample_lens != list(row["lengths"]):
+            raise ValueError(
+                f"bagel: packed sample lengths {out['layout'].sample_lens} differ from the "
+                f"processor's {list(row['lengths'])}: dataset_config.extra's vit_patch_size / "
+                "latent_downsample must match the model (leave them unset)"
+            )
+        out["vision_tokens"] = int(row.get("vision_tokens", 0))
+        return out
+
+    def prepare_row(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        """The row on the device of its ``input_ids`` (the layout and latent lists too), with
+        ``vae_pixels`` encoded to ``vae_latents`` by the frozen VAE (no gradient)."""
+        batch = batch_to(batch, batch["input_ids"].device)
+        pixels = batch.pop("vae_pixels", None)
+        if pixels is None:
+            return batch
+        enc = self.pixel_encoder(model)
+        if enc is None:
+            raise ValueError(
+                "bagel: the row has images to encode but the model has no VAE (model config "
+                "`vae`: a diffusers AutoencoderKL config or folder, or pixel_space)"
+            )
+        with torch.no_grad():
+            batch["vae_latents"] = [
+                lat if px is None else enc(px).float()
+                for lat, px in zip(batch["vae_latents"], pixels, strict=True)
+            ]
+        return batch
 
     def set_attention(self, model: nn.Module, **_: Any) -> dict[str, str]:
         return {}  # span attention is chosen per row (PackLayout.backend)
@@ -234,11 +321,20 @@ class BagelSpec(ModelSpec):
             raise NotImplementedError("bagel: no tensor-parallel plan yet; use FSDP2")
 
     # ---------------------------------------------------------------- FLOPs
-    def mot_flops(self, config: dict[str, Any], batch: dict[str, Any]) -> float:
-        """Training FLOPs (6 x matmul parameters per token, + attention as executed) of a packed
-        row: each token runs exactly one expert's weights, so the count is the same as one dense
-        Qwen2.5 per token; attention counts the mask's allowed pairs (dense per sample, causal
-        half for text), the ViT its own segments, plus the LM head on supervised text only."""
+    def mot_flops(self, config: dict[str, Any] | BagelConfig, batch: dict[str, Any]) -> float:
+        """Training FLOPs of a packed row: the sum of :meth:`pack_flops`."""
+        return sum(self.pack_flops(config, batch))
+
+    def pack_flops(
+        self, config: dict[str, Any] | BagelConfig, batch: dict[str, Any]
+    ) -> tuple[float, float]:
+        """``(decoder, media)`` training FLOPs (6 x matmul parameters per token, + attention as
+        executed) of a packed row; lmms-train's MFU reads them (``mfu_lm`` is the first).
+        Decoder: each token runs exactly one expert's weights (MoT: understanding tokens the
+        first set, latent tokens the second), so the count is one dense Qwen2.5 per token;
+        attention counts the mask's allowed pairs (dense per sample, causal half for text), plus
+        the LM head on supervised text only. Media: the ViT over its own images, the connector,
+        and the latent projections and time MLP."""
         cfg = self.make_config(config)
         llm, vit = cfg.llm, cfg.vit
         h, kv = llm.hidden_size, llm.num_key_value_heads * llm.head_dim
@@ -248,6 +344,7 @@ class BagelSpec(ModelSpec):
         layout: PackLayout = batch["layout"]
         pairs = sum(int(m.sum()) for m in layout.sample_masks())
         flops += 12.0 * llm.num_hidden_layers * h * pairs  # QK^T and PV, fwd + bwd
+        lm, flops = flops, 0.0
         vh = vit.hidden_size
         n_vit = int(batch["vit_patches"].shape[0])
         vit_tok = vit.num_hidden_layers * (4 * vh * vh + 2 * vh * vit.intermediate_size)
@@ -258,7 +355,7 @@ class BagelSpec(ModelSpec):
         )
         n_vae = int(batch["vae_pos"].numel())
         flops += 6.0 * (2 * cfg.patch_latent_dim * h + 256 * h + h * h) * n_vae
-        return flops
+        return lm, flops
 
     def tokens_per_sample(self, config: Any, lens: Sequence[int]) -> int:
         return int(sum(lens))
@@ -266,3 +363,27 @@ class BagelSpec(ModelSpec):
 
 def _cfg(model: nn.Module) -> BagelConfig:
     return model.config
+
+
+def save_bagel(
+    model: nn.Module, out_dir: str, *, state_dict: dict[str, torch.Tensor] | None = None,
+    **_: Any,
+) -> None:  # fmt: skip
+    """Write ``out_dir`` as :meth:`BagelSpec.build` reads it: ``config.json`` (this family's
+    dict; ``vae: pixel_space`` for the stand-in), ``model.safetensors`` (the public layout) and
+    the frozen VAE in ``vae/`` (diffusers layout)."""
+    from safetensors.torch import save_file
+
+    from ..._diffusion import encoders_of, save_encoders
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    conf = _cfg(model).to_dict()
+    if getattr(model, "pixel_space_vae", False):
+        conf["vae"] = "pixel_space"
+    (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+    state = model.state_dict() if state_dict is None else state_dict
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
+              str(out / "model.safetensors"))  # fmt: skip
+    if encoders_of(model):
+        save_encoders(model, out)

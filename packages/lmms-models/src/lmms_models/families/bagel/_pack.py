@@ -81,8 +81,10 @@ def pack_samples(
     """One packed row (host tensors) from ``samples``; see the module docstring for parts.
 
     A VAE part may carry ``pixels [3, H, W]`` in [-1, 1] (lmms_data's bagel processor) instead of
-    ``latents``: ``encode`` maps them to latents (the frozen VAE, or
-    :func:`pixel_space_latents` for tiny runs)."""
+    ``latents``: ``encode`` maps them to latents here (the frozen VAE, or
+    :func:`pixel_space_latents` for tiny runs); without ``encode`` the row keeps the pixels
+    (``vae_pixels``, ``vae_latents`` entries None, shapes from ``cfg.vae_downsample``) and
+    ``BagelSpec.prepare_row`` encodes them on the model's device (the trainer's path)."""
     seeds = list(range(len(samples))) if seeds is None else list(seeds)
     ids: list[int] = []
     sup: list[bool] = []  # token is supervised text (a label target)
@@ -93,6 +95,7 @@ def pack_samples(
     sample_lens: list[int] = []
     vit_patches, vit_pos, vit_lens, vit_index = [], [], [], []
     vae_latents, vae_pos, vae_index, vae_noised, vae_seed, vae_lens = [], [], [], [], [], []
+    vae_pixels: list[torch.Tensor | None] = []
     n_span = 0
     p_vit, p_lat = cfg.vit.patch_size, cfg.latent_patch_size
 
@@ -122,12 +125,20 @@ def pack_samples(
                 vit_lens.append(toks.shape[0])
                 vit_index.append(torch.arange(toks.shape[0]) + len(ids) + 1)
             elif kind in ("vae_gen", "vae_cond"):
+                px = None
                 if "latents" in part:
                     lat = torch.as_tensor(part["latents"]).float()
-                elif encode is None:
-                    raise ValueError("bagel: a VAE part with pixels needs encode= (a VAE)")
-                else:
+                elif encode is not None:
                     lat = encode(torch.as_tensor(part["pixels"]).float()).float()
+                else:  # encoded later, on the device (BagelSpec.prepare_row)
+                    px = torch.as_tensor(part["pixels"]).float()
+                    f = cfg.vae_downsample
+                    if px.shape[-2] % f or px.shape[-1] % f:
+                        raise ValueError(
+                            f"bagel: a {px.shape[-2]}x{px.shape[-1]} image is not a multiple of "
+                            f"the VAE factor {f}"
+                        )
+                    lat = torch.empty(cfg.latent_channels, px.shape[-2] // f, px.shape[-1] // f)
                 if lat.shape[0] != cfg.latent_channels:
                     raise ValueError(
                         f"bagel: latents have {lat.shape[0]} channels, the model {cfg.latent_channels}"
@@ -136,7 +147,8 @@ def pack_samples(
                 n_tok, tt = gh * gw, VAE
                 m = NOISE if kind == "vae_gen" else FULL
                 patchify(lat, p_lat)  # shape check
-                vae_latents.append(lat)
+                vae_pixels.append(px)
+                vae_latents.append(lat if px is None else None)
                 vae_pos.append(_grid_pos(gh, gw, cfg.max_latent_size))
                 vae_index.append(torch.arange(n_tok) + len(ids) + 1)
                 vae_noised.append(kind == "vae_gen")
@@ -194,6 +206,7 @@ def pack_samples(
         "vit_cu": torch.tensor([0, *torch.tensor(vit_lens).cumsum(0).tolist()], dtype=torch.int32),
         "vit_index": cat(vit_index),
         "vae_latents": vae_latents,
+        **({"vae_pixels": vae_pixels} if any(x is not None for x in vae_pixels) else {}),
         "vae_pos": cat(vae_pos),
         "vae_index": cat(vae_index),
         "vae_noised": vae_noised,
@@ -214,8 +227,8 @@ def batch_to(batch: dict[str, Any], device: Any) -> dict[str, Any]:
     for k, v in batch.items():
         if isinstance(v, (torch.Tensor, PackLayout)):
             out[k] = v.to(device)
-        elif k == "vae_latents":
-            out[k] = [x.to(device) for x in v]
+        elif k in ("vae_latents", "vae_pixels"):
+            out[k] = [None if x is None else x.to(device) for x in v]
         else:
             out[k] = v
     return out
