@@ -118,3 +118,20 @@ def test_gc_control_stops_automatic_collections():
     finally:
         clock.close()
         gc.callbacks.remove(count)
+
+
+@pytest.mark.slow  # ~15 s on an idle 2-core machine: three tiny runs
+def test_bf16_optimizer_state_trains_and_resumes_exactly(tmp_path):
+    """`optimizer_state_dtype: bfloat16` (lmms_optim.LowPrecisionAdamW): a run saved at step 2
+    and resumed to step 4 logs the uninterrupted run's losses bit for bit (the stochastic
+    rounding's draws are seeded by the step, kept in the checkpoint)."""
+    kw = dict(optimizer_state_dtype="bfloat16", lr_scheduler_type="constant", weight_decay=0.1)
+    train(_cfg(tmp_path, "ref", max_steps=4, **kw))
+    train(_cfg(tmp_path, "run", max_steps=2, save_final=True, **kw))
+    train(_cfg(tmp_path, "run", max_steps=4, resume_from="latest", **kw))
+    ref, run = _rows(tmp_path, "ref"), _rows(tmp_path, "run")
+    assert [r["step"] for r in run] == [1, 2, 3, 4]
+    assert [r["loss"] for r in run] == [r["loss"] for r in ref]
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    with pytest.raises(ValueError, match="Muon keeps fp32 state"):
+        train(_cfg(tmp_path, "muon", optimizer="muon", optimizer_state_dtype="bfloat16"))

@@ -55,6 +55,13 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
             )
             if g["params"]
         ]
+        if t.optimizer_state_dtype == "bfloat16":  # bf16 moments, stochastic rounding
+            from lmms_optim import LowPrecisionAdamW
+
+            return LowPrecisionAdamW(
+                groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                eps=t.adam_epsilon, state_dtype=torch.bfloat16, seed=t.seed,
+            )  # fmt: skip
         if master is not None and t.fused_master_step:
             from lmms_optim import MasterAdamW
 
@@ -70,6 +77,11 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
             betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_epsilon,
             **kwargs,
+        )
+    if t.optimizer_state_dtype != "float32":
+        raise ValueError(
+            f"trainer_args.optimizer_state_dtype: {t.optimizer_state_dtype} state is AdamW's "
+            "(lmms_optim.LowPrecisionAdamW); Muon keeps fp32 state: set it to float32"
         )
     from lmms_optim import Muon
 
