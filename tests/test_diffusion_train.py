@@ -236,6 +236,7 @@ def test_bagel_resume_is_bitwise_with_ema_and_render_draws_png(bagel_straight: P
         for key in ("loss", "ce", "fm"):
             assert straight[step][key] == resumed[step][key], (step, key)
     assert all(r["ce"] > 0 and r["fm"] > 0 and r["vision_tokens"] > 0 for r in straight.values())
+    assert all(0 < r["mfu_lm"] < r["mfu"] for r in straight.values())  # + ViT, latent projections
     ema = [
         load_file(str(tmp / r / "hf_ema" / "model.safetensors")) for r in ("straight", "resumed")
     ]

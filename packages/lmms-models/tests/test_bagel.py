@@ -117,6 +117,49 @@ def test_mot_flops_count_one_expert_per_token(tiny):
     assert spec.mot_flops(conf, batch) == pytest.approx(expected)
 
 
+def test_pack_flops_count_every_executed_matmul_of_both_experts_and_the_vit(tiny):
+    """On the mixed pack (understanding, generation, editing, text), ``pack_flops`` equals the
+    matmuls the forward actually runs, measured by hooks on every ``nn.Linear`` (3 x forward for
+    training): decoder layers of both expert sets (each token through its own), the ViT, the
+    connector and latent projections; plus the LM head on supervised text and attention over the
+    mask's allowed pairs (decoder) and each image's own patches (ViT)."""
+    from lmms_models.objectives import ObjectiveContext, get_objective
+
+    spec, model = tiny
+    batch = cases.pack(cases.PACKS["mixed"])
+    done: dict[str, float] = {"dec": 0.0, "vit": 0.0, "other": 0.0, "gen": 0.0}
+
+    def hook(name: str):
+        def fn(mod: torch.nn.Linear, args: tuple, _out: torch.Tensor) -> None:
+            rows = args[0].numel() // mod.in_features
+            part = "dec" if ".layers." in name and name.startswith("language_model") else (
+                "vit" if name.startswith("vit_model") else "other")  # fmt: skip
+            done[part] += 2.0 * rows * mod.in_features * mod.out_features
+            if "moe_gen" in name:
+                done["gen"] += rows
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)]  # fmt: skip
+    try:
+        get_objective("ce_flow_matching").loss(spec, model, batch, ObjectiveContext(seed=0))
+    finally:
+        for h in handles:
+            h.remove()
+    assert done["gen"] > 0  # the generation expert ran on the latent tokens
+    cfg = model.config
+    h, lv, vh = cfg.llm.hidden_size, cfg.llm.num_hidden_layers, cfg.vit.hidden_size
+    pairs = sum(int(m.sum()) for m in batch["layout"].sample_masks())
+    lens = (batch["vit_cu"][1:] - batch["vit_cu"][:-1]).tolist()
+    lm = 3 * done["dec"] + 6.0 * h * cfg.llm.vocab_size * batch["num_ce_tokens"]
+    lm += 12.0 * lv * h * pairs
+    media = 3 * (done["vit"] + done["other"])
+    media += 12.0 * cfg.vit.num_hidden_layers * vh * sum(n * n for n in lens)
+    got = spec.pack_flops(spec.tiny_config(), batch)
+    assert got == (pytest.approx(lm), pytest.approx(media))
+
+
 def test_flex_block_mask_equals_per_sample_sdpa(tiny):
     """FlexAttention on CPU runs forward only (no CPU backward in torch): values here, gradients in
     the GPU test."""

@@ -334,7 +334,8 @@ class BagelSpec(ModelSpec):
         first set, latent tokens the second), so the count is one dense Qwen2.5 per token;
         attention counts the mask's allowed pairs (dense per sample, causal half for text), plus
         the LM head on supervised text only. Media: the ViT over its own images, the connector,
-        and the latent projections and time MLP."""
+        the latent projections (``llm2vae`` on the noised tokens only) and the time MLP.
+        Recomputation (activation checkpointing) is not counted, as for every family."""
         cfg = self.make_config(config)
         llm, vit = cfg.llm, cfg.vit
         h, kv = llm.hidden_size, llm.num_key_value_heads * llm.head_dim
@@ -353,8 +354,9 @@ class BagelSpec(ModelSpec):
         flops += 6.0 * vit_tok * n_vit + 12.0 * vit.num_hidden_layers * vh * sum(
             n * n for n in lens
         )
-        n_vae = int(batch["vae_pos"].numel())
-        flops += 6.0 * (2 * cfg.patch_latent_dim * h + 256 * h + h * h) * n_vae
+        n_vae, n_fm = int(batch["vae_pos"].numel()), int(batch["num_fm_tokens"])
+        flops += 6.0 * (cfg.patch_latent_dim * h + 256 * h + h * h) * n_vae  # vae2llm, time MLP
+        flops += 6.0 * h * cfg.patch_latent_dim * n_fm  # llm2vae on the noised tokens only
         return lm, flops
 
     def tokens_per_sample(self, config: Any, lens: Sequence[int]) -> int:
