@@ -51,3 +51,12 @@ def test_no_slow_step_no_steady_figures(bench_train):
     out = bench_train.summarize(rows)
     assert out["slow_steps"] == {} and "steady" not in out
     assert out["step_s_median"] == 0.85 and out["step_s"] == 0.85
+
+
+def test_both_mfu_conventions_and_the_mean_over_median(bench_train):
+    rows = [{**_row(s, t), "mfu_causal_half": 0.3 * 0.85 / t, "mfu_all_rows": 0.45 * 0.85 / t}
+            for s, t in zip(range(1, 31), [3.0] + [0.85] * 29, strict=True)]  # fmt: skip
+    out = bench_train.summarize(rows)
+    assert out["mfu_causal_half"] < out["mfu"] < out["mfu_all_rows"]
+    assert out["mean_over_median"] == pytest.approx((3.0 + 29 * 0.85) / 30 / 0.85, abs=1e-4)
+    assert out["steady"]["mfu_causal_half"] == pytest.approx(0.3)  # step 1 left out of steady

@@ -34,10 +34,12 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import trace_gaps  # beside this script
+from bench_baseline import run_baseline  # beside this script
 from bench_records import make_records, write_parquet  # beside this script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,6 +57,11 @@ VL_32K = dict(activation_checkpointing="full", activation_checkpointing_fraction
 # Text 16k: no checkpointing. Predicted, not yet measured: 3B peaked at 64.6 GiB with half the
 # blocks checkpointed, each un-checkpointed block adds ~1.45 GiB at 16k, so ~91 GiB for none.
 TEXT_16K = dict(activation_checkpointing="none")
+# VL-7B full fine-tuning (issue 29): every decoder and vision block checkpointed; the bf16-moment
+# AdamW state makes it fit (benchmarks/optim/memory_fit.py: 109 GiB predicted with bf16 moments,
+# 140 GiB with fp32 state, over the card)
+VL_7B = dict(activation_checkpointing="full", vision_activation_checkpointing="full")
+BF16_STATE = {"optimizer_state_dtype": "bfloat16"}
 
 # name -> family, preset, packing_length, optimizer, data kind, AC layout
 CASES: dict[str, dict] = {
@@ -69,6 +76,9 @@ CASES: dict[str, dict] = {
     "qwen3_1p7b_16k_md": dict(family="qwen3", config="qwen3_1p7b", T=16384, optimizer="adamw", data="text", layout=TEXT_16K, objective="masked_diffusion"),
     "qwen3_1p7b_16k_muon": dict(family="qwen3", config="qwen3_1p7b", T=16384, optimizer="muon", data="text", layout=TEXT_16K),
     "qwen3_1p7b_16k_md_muon": dict(family="qwen3", config="qwen3_1p7b", T=16384, optimizer="muon", data="text", layout=TEXT_16K, objective="masked_diffusion"),
+    # Qwen2.5-VL-7B shape, every parameter trained: bf16 moments (fits), fp32 state (its baseline)
+    "vl7b_16k": dict(family="qwen2_5_vl", preset="3b", config="vl7b", T=16384, optimizer="adamw", data="vl", layout=VL_7B, trainer=BF16_STATE),
+    "vl7b_16k_fp32state": dict(family="qwen2_5_vl", preset="3b", config="vl7b", T=16384, optimizer="adamw", data="vl", layout=VL_7B),
     "hf_sdpa": dict(baseline=True, liger=False, T=16384),
     "hf_sdpa_liger": dict(baseline=True, liger=True, T=16384),
 }  # fmt: skip
@@ -78,6 +88,11 @@ CONFIGS = {
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # published Qwen2.5-VL-7B-Instruct text shape over the 3B preset (same vision tower)
+    "vl7b": {"text_config": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                 num_hidden_layers=28, num_attention_heads=28,
+                                 num_key_value_heads=4, tie_word_embeddings=False),
+             "vision_config": {"out_hidden_size": 3584}, "tie_word_embeddings": False},
 }  # fmt: skip
 # masked diffusion's mask token in the benchmark's local tokenizer: <|audio_pad|>, never in text
 MD_ARGS = {"mask_token_id": 7}
@@ -108,10 +123,11 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
         load["tiny"] = True
         if case["data"] == "vl":
             load["config"] = {"vision_config": {"patch_size": 14, "window_size": 112}}
-    elif case.get("config"):
-        load["config"] = CONFIGS[case["config"]]
     else:
-        load["preset"] = case["preset"]
+        if case.get("preset"):
+            load["preset"] = case["preset"]
+        if case.get("config"):  # on top of the preset, if any
+            load["config"] = CONFIGS[case["config"]]
     T = 1024 if args.tiny else case["T"]
     objective = case.get("objective", "causal_lm")
     return {
@@ -160,8 +176,30 @@ def lmms_config(name: str, case: dict, work: Path, args) -> dict:
             "loss_backend": args.loss_backend,
             "profile_steps": args.profile_steps or [],
             "seed": 0,
+            **LEVERS_OFF,  # each lever off unless asked: rows before/after in the same run
+            **case.get("trainer", {}),
+            **lever_args(args),
         },
     }
+
+
+# Issue 29's levers, off in every row unless its flag is given (the trainer's own defaults may
+# differ): a row says what it ran with (`levers`), and a lever's before/after is two rows
+LEVERS_OFF = {"loss_rows": "all", "gc_control": False, "compile_warmup": False}
+
+
+def lever_args(args) -> dict:
+    """trainer_args of the levers asked for on the command line."""
+    out: dict = {}
+    if args.loss_rows:
+        out["loss_rows"] = args.loss_rows
+    if args.gc_control:
+        out["gc_control"] = True
+    if args.compile_warmup:
+        out["compile_warmup"] = True
+    if args.optimizer_state_dtype:
+        out["optimizer_state_dtype"] = args.optimizer_state_dtype
+    return out
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -182,8 +220,14 @@ def summarize(rows: list[dict]) -> dict:
     out = {
         "steps": len(rows),
         "tok_s": round(sum(r["tokens"] for r in rows) / dt),
-        "mfu": weighted("mfu"),
+        "mfu": weighted("mfu"),  # standard convention: causal attention counted whole
         "mfu_lm": weighted("mfu_lm"),
+        "mfu_causal_half": weighted("mfu_causal_half"),  # causal attention counted at half
+        **(
+            {"mfu_all_rows": weighted("mfu_all_rows")}
+            if all("mfu_all_rows" in r for r in rows)
+            else {}
+        ),
         "peak_gib": round(max(r.get("peak_memory_gb", 0.0) for r in rows), 1),
         "data_wait": weighted("data_wait_fraction"),  # exposed: the device may have idled
         "data_read": weighted("data_read_fraction"),  # all the host's time blocked on the loader
@@ -191,6 +235,8 @@ def summarize(rows: list[dict]) -> dict:
         "fill": round(sum(r["packing_fill_ratio"] for r in rows) / len(rows), 3),
         "step_s_each": [round(r["step_time"], 3) for r in rows],
         "step_s_median": round(median, 3),
+        # a cold start's cost: the mean step over the median (1.0: no step out of line)
+        "mean_over_median": round(dt / len(rows) / median, 4),
         "slow_steps": {
             r["step"]: {
                 "s": round(r["step_time"], 3),
@@ -201,6 +247,8 @@ def summarize(rows: list[dict]) -> dict:
             for r in slow
         },
         "gc_s_max": round(max(r.get("perf/gc_s", 0.0) for r in rows), 3),
+        "gc_full": sum(r.get("perf/gc_full", 0.0) for r in rows),  # automatic full collections
+        "new_graphs": sum(r.get("compile/new_graphs", 0) for r in rows),  # compiled in timed steps
         "graphs": sorted({r["compile/graphs"] for r in rows if "compile/graphs" in r}),
         "fa4_variants": sorted(
             {r["compile/fa4_variants"] for r in rows if "compile/fa4_variants" in r}
@@ -214,6 +262,7 @@ def summarize(rows: list[dict]) -> dict:
             "tok_s": round(sum(r["tokens"] for r in steady) / st),
             "mfu": weighted("mfu", steady),
             "mfu_lm": weighted("mfu_lm", steady),
+            "mfu_causal_half": weighted("mfu_causal_half", steady),
             "step_s": round(st / len(steady), 3),
         }
     return out
@@ -255,6 +304,11 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         [str(p) for p in sorted(ROOT.glob("packages/*/src"))]
         + [str(ROOT / "apps/trainer/src"), env.get("PYTHONPATH", "")]
     )
+    if args.cold_cache:  # empty Inductor, Triton and FA4 disk caches: a first run on a machine
+        cold = Path(tempfile.mkdtemp(prefix=f"cold-{name}-", dir=work))
+        for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):  # fmt: skip
+            env[var] = str(cold / var.lower())
     t0 = time.perf_counter()
     code, stdout, stderr = _run_case([sys.executable, "-m", "lmms_train", str(path)], env, args)
     wall = time.perf_counter() - t0
@@ -291,6 +345,9 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         else args.fused_master_step,
         "muon_fused_step": "default" if args.muon_fused_step is None else args.muon_fused_step,
         "ga": args.ga,
+        "levers": " ".join(f"{k}={v}" for k, v in {**LEVERS_OFF, **lever_args(args)}.items()),
+        "optimizer_state_dtype": cfg["trainer_args"].get("optimizer_state_dtype", "float32"),
+        "cold_cache": args.cold_cache,
         # the trainer's own account of each stalled step (its likely cause; FA4's new key)
         "slow_step_lines": [ln for ln in stderr.splitlines() if "[lmms-train] slow step" in ln],
     }
@@ -314,156 +371,6 @@ def run_lmms(name: str, case: dict, work: Path, args) -> dict:
         if all(key in r for r in rows):
             out[key] = round(sum(r[key] for r in rows) / len(rows), 3)
     return out
-
-
-def _baseline_batches(work: Path, args, T: int, n_batches: int):
-    """Padded batches of the same processed records, each about one pack's worth of tokens."""
-    import pyarrow.parquet as pq
-
-    from lmms_data import BadRecordError, DatasetConfig, build_processor
-
-    dcfg = DatasetConfig.from_dict(
-        {
-            "dataset_path": str(work / "data_vl" / "train.parquet"),
-            "min_pixels": 56 * 56 if args.tiny else 224 * 224,
-            "max_pixels": 84 * 84 if args.tiny else 672 * 672,
-        }
-    )
-    proc = build_processor("qwen2_5_vl", str(work / "processor_qwen2_5_vl"), dcfg)
-    table = pq.read_table(work / "data_vl" / "train.parquet")
-    batches, cur, tokens = [], [], 0
-    for msgs, imgs in zip(table["messages"].to_pylist(), table["images"].to_pylist(), strict=True):
-        messages = json.loads(msgs)
-        for m in messages:
-            for part in m["content"]:
-                if part["type"] == "image":
-                    part["image"] = imgs.pop(0)
-        try:
-            s = proc(messages)
-        except BadRecordError:
-            continue
-        if cur and tokens + s["length"] > T:
-            batches.append(cur)
-            cur, tokens = [], 0
-            if len(batches) == n_batches:
-                break
-        cur.append(s)
-        tokens += s["length"]
-    return batches
-
-
-def _micro_batches(group: list[dict], max_tokens: int) -> list[list[dict]]:
-    """`group` in order, cut so that each part's padded size (rows x longest) stays within
-    `max_tokens` (0: one part; a sample longer than that is a part of its own)."""
-    if max_tokens <= 0:
-        return [group]
-    parts: list[list[dict]] = [[]]
-    for s in group:
-        rows, longest = len(parts[-1]) + 1, max([s["length"], *(x["length"] for x in parts[-1])])
-        if parts[-1] and rows * longest > max_tokens:
-            parts.append([])
-        parts[-1].append(s)
-    return parts
-
-
-def _padded_batch(group: list[dict], pad: int, dev: str) -> dict:
-    """Right-padded `input_ids`/`labels`/`attention_mask` rows and the group's images."""
-    import numpy as np
-    import torch
-
-    def cat(key: str):
-        return torch.from_numpy(np.concatenate([s[key] for s in group])).to(dev)
-
-    L = max(s["length"] for s in group)
-    ids = np.full((len(group), L), pad, dtype=np.int64)
-    lab = np.full((len(group), L), -100, dtype=np.int64)
-    mask = np.zeros((len(group), L), dtype=np.int64)
-    for r, s in enumerate(group):
-        n = s["length"]
-        ids[r, :n], lab[r, :n], mask[r, :n] = s["input_ids"], s["labels"], 1
-    return {
-        "input_ids": torch.from_numpy(ids).to(dev),
-        "labels": torch.from_numpy(lab).to(dev),
-        "attention_mask": torch.from_numpy(mask).to(dev),
-        "pixel_values": cat("pixel_values"),
-        "image_grid_thw": cat("image_grid_thw"),
-    }
-
-
-def run_baseline(name: str, case: dict, work: Path, args) -> dict:
-    import numpy as np
-    import torch
-
-    from lmms_models import get_model_spec
-
-    dev = "cpu" if args.tiny else "cuda"
-    T = 1024 if args.tiny else case["T"]
-    batches = _baseline_batches(work, args, T, args.warmup + args.steps)
-    spec = get_model_spec("qwen2_5_vl")
-    info = json.loads((work / "processor_qwen2_5_vl" / "lmms_token_ids.json").read_text())
-    conf = spec.tiny_config() if args.tiny else spec.preset("3b")
-    for k, v in info.items():
-        if k.endswith("_token_id") and isinstance(v, int) and k in conf:
-            conf[k] = v
-    if args.tiny:
-        conf["vision_config"].update(patch_size=14, window_size=112)
-    torch.manual_seed(0)
-    model = spec.build(config=conf, device=dev, attn_backend="sdpa")
-    if case["liger"]:
-        try:
-            from liger_kernel.transformers import apply_liger_kernel_to_qwen2_5_vl
-
-            apply_liger_kernel_to_qwen2_5_vl(model=model)
-        except Exception as exc:
-            return {"case": name, "status": "error", "error": f"liger: {exc}"[:300]}
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=dev == "cuda")
-    pad = int(conf.get("pad_token_id") or 0)
-    times, toks, flops, flops_lm = [], 0, 0.0, 0.0
-    if dev == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        for i, group in enumerate(batches):
-            grid = np.concatenate([s["image_grid_thw"] for s in group])
-            micro = _micro_batches(group, args.hf_micro_tokens)
-            # tokens the model's loss averages over: labels after its shift (the first is unused)
-            n_labels = sum(int((np.asarray(s["labels"])[1:] != -100).sum()) for s in group)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for part in micro:  # gradient accumulation: the step's loss is the group's mean
-                batch = _padded_batch(part, pad, dev)
-                share = int((batch["labels"][:, 1:] != -100).sum()) / max(n_labels, 1)
-                with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                    loss = model(**batch).loss * share
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            if i >= args.warmup:
-                lens = [s["length"] for s in group]
-                times.append(time.perf_counter() - t0)
-                toks += sum(lens)
-                flops_lm += spec.lm_flops(model.config, lens)
-                flops += spec.vision_flops(model.config, grid)
-    except torch.OutOfMemoryError:
-        return {"case": name, "status": "OOM"}
-    dt = sum(times)
-    return {
-        "case": name,
-        "status": "ok",
-        "steps": len(times),
-        "T": T,
-        "tok_s": round(toks / dt),
-        "mfu": round((flops + flops_lm) / dt / PEAK, 4),
-        "mfu_lm": round(flops_lm / dt / PEAK, 4),
-        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev == "cuda" else 0.0,
-        "step_s": round(dt / len(times), 3),
-        "batch_rows": round(sum(len(g) for g in batches) / len(batches), 1),
-        "micro_tokens": args.hf_micro_tokens,
-    }
 
 
 def main() -> None:
@@ -551,6 +458,31 @@ def main() -> None:
         help="appended to each case's run folder and row name and to bench_train.json "
         "(two invocations of one case with different flags, e.g. a lever's before and after)",
     )
+    p.add_argument(
+        "--loss-rows",
+        choices=["all", "labelled"],
+        help="trainer_args.loss_rows (default here: all): labelled = the LM head on labelled rows",
+    )
+    p.add_argument(
+        "--gc-control",
+        action="store_true",
+        help="trainer_args.gc_control: true (freeze after step 1, no automatic collections)",
+    )
+    p.add_argument(
+        "--compile-warmup",
+        action="store_true",
+        help="trainer_args.compile_warmup: true (with --compile: compile before step 1)",
+    )
+    p.add_argument(
+        "--optimizer-state-dtype",
+        choices=["float32", "bfloat16"],
+        help="trainer_args.optimizer_state_dtype for every case (default: the case's)",
+    )
+    p.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="each case with empty Inductor, Triton and FA4 disk caches (a cold start)",
+    )
     p.add_argument("--records", type=int, default=3000)
     p.add_argument("--work", default="/tmp/lmms-bench-train")
     p.add_argument("--case-timeout", type=int, default=400)
@@ -589,8 +521,9 @@ def main() -> None:
         Path(os.environ["OUT"], f"bench_train{args.tag}.json").write_text(
             json.dumps(results, indent=1)
         )
-    cols = ["case", "status", "T", "tok_s", "mfu", "mfu_lm", "peak_gib", "data_wait", "step_s",
-            "time/forward", "time/backward", "time/optimizer"]  # fmt: skip
+    cols = ["case", "status", "T", "tok_s", "mfu", "mfu_causal_half", "mfu_lm", "peak_gib",
+            "data_wait", "step_s", "step_s_median", "time/forward", "time/backward",
+            "time/optimizer"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))
     for r in results:
