@@ -432,6 +432,84 @@ def test_omni3_hooks_tokens_and_flops():
     assert both - vision > 6 * n([tower.layers, tower.conv_out, tower.proj1, tower.proj2]) * 203
 
 
+def _save_full_omni(name, folder):
+    """A tiny full Omni model (thinker + talker + speech decoder) saved as the releases are."""
+    import transformers
+
+    spec = get_model_spec(name)
+    small = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)  # fmt: skip
+    if name == "qwen2_5_omni":
+        ids = {k: v for k, v in spec.tiny_config().items() if k.endswith("_id")}
+        rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+        talker = dict(small, vocab_size=64, embedding_size=64, rope_parameters=rope, **ids)
+        talker = {k.replace("_token_id", "_token_index") if k in ("image_token_id", "video_token_id",
+                  "audio_token_id") else k: v for k, v in talker.items()}  # fmt: skip
+        speech = {"token2wav_config": {
+            "dit_config": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+                               emb_dim=16, enc_emb_dim=16, enc_dim=16, enc_channels=[16, 16, 16, 16, 32],
+                               enc_attention_channels=8, enc_se_channels=8, num_embeds=64,
+                               look_ahead_layers=[0], look_backward_layers=[0]),
+            "bigvgan_config": dict(upsample_initial_channel=16, resblock_kernel_sizes=[3],
+                                   resblock_dilation_sizes=[[1, 3, 5]], upsample_rates=[2],
+                                   upsample_kernel_sizes=[4])}}  # fmt: skip
+        cls, conf = transformers.Qwen2_5OmniForConditionalGeneration, transformers.Qwen2_5OmniConfig
+    else:
+        text = dict(small, vocab_size=64, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+                    shared_expert_intermediate_size=16)  # fmt: skip
+        talker = dict(text_config=text, code_predictor_config=dict(small, vocab_size=32, num_code_groups=2),
+                      thinker_hidden_size=64, num_code_groups=2, accept_hidden_layer=1,
+                      spatial_merge_size=2)  # fmt: skip
+        speech = {"code2wav_config": dict(small, codebook_size=32, num_quantizers=2, decoder_dim=32,
+                                          upsample_rates=[2], upsampling_ratios=[2], sliding_window=4)}  # fmt: skip
+        cls, conf = (
+            transformers.Qwen3OmniMoeForConditionalGeneration,
+            transformers.Qwen3OmniMoeConfig,
+        )
+    torch.manual_seed(0)
+    full = cls(conf(thinker_config=spec.tiny_config(), talker_config=talker, enable_audio_output=True,
+                    **speech))  # fmt: skip
+    full.save_pretrained(folder)
+    return spec, full
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_omni", "qwen3_omni_moe"])
+def test_full_omni_checkpoint_loads_the_thinker(name, tmp_path, capsys):
+    """A released-layout full Omni folder (``thinker.``/``talker.``/speech-decoder weights;
+    Qwen3-Omni's experts saved per expert) builds the family's thinker with the thinker's
+    weights, one line naming what was left out; the FSDP2 path's rank-0 weights are the same;
+    the export writes the thinker alone and loads back."""
+    from lmms_parallel import export_hf, load_full_state_dict, materialize
+
+    spec, full = _save_full_omni(name, tmp_path / "full")
+    want = full.thinker.state_dict()
+    capsys.readouterr()  # transformers' notes on the tiny talker's config
+    model = spec.build(pretrained=str(tmp_path / "full"), attn_backend="varlen_sdpa")
+    line = capsys.readouterr().err.strip().splitlines()
+    assert len(line) == 1 and "full Omni checkpoint" in line[0] and "talker.*" in line[0]
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # the trainer's FSDP2 path: built on meta, rank 0's weights from the family
+    meta = spec.build(pretrained=str(tmp_path / "full"), device="meta")
+    materialize(meta, torch.device("cpu"))
+    load_full_state_dict(meta, spec.pretrained_weights(str(tmp_path / "full")))
+    for k, v in meta.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    out = export_hf(model, tmp_path / "hf")
+    conf = __import__("json").loads((out / "config.json").read_text())
+    assert conf["model_type"] == f"{name}_thinker" and "talker_config" not in conf
+    capsys.readouterr()
+    again = spec.build(pretrained=str(out), attn_backend="varlen_sdpa")
+    assert "lmms-models" not in capsys.readouterr().err  # a thinker folder: nothing left out
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    (tmp_path / "full" / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(ValueError, match="model_type 'qwen2'"):
+        spec.build(pretrained=str(tmp_path / "full"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [*AUDIO_FAMILIES, "qwen2_5_omni", "qwen3_omni_moe"])
 def test_audio_packed_matches_unpacked_on_gpu(name):

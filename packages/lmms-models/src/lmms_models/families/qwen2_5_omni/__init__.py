@@ -24,6 +24,7 @@ from ..._registry import register_model
 from ..._spec import to_device
 from ..._vl import merge_tiny
 from ..qwen2_5_vl import Qwen2_5_VLSpec
+from ._checkpoint import load_thinker
 
 __all__ = ["QWEN2_5_OMNI_7B", "Qwen2_5OmniSpec"]
 
@@ -135,16 +136,41 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
         return out
 
     def build(self, **kwargs: Any) -> nn.Module:
-        """Upstream's build; on the meta device the audio tower's sinusoid table (a
-        non-persistent buffer no checkpoint holds) is recomputed for real, so lmms_parallel's
-        ``materialize`` restores it instead of refusing an uninitialisable buffer."""
-        model = super().build(**kwargs)
+        """Upstream's build. ``pretrained`` may be a released full Omni folder (thinker, talker,
+        speech decoder): the thinker is read out of it (:func:`load_thinker`; on the meta device
+        its config only). On the meta device the audio tower's sinusoid table (a non-persistent
+        buffer no checkpoint holds) is recomputed for real, so lmms_parallel's ``materialize``
+        restores it instead of refusing an uninitialisable buffer."""
+        pretrained, device = kwargs.get("pretrained"), torch.device(kwargs.get("device", "cpu"))
+        if pretrained is not None and device.type != "meta":
+            import transformers
+
+            model_cls = getattr(transformers, self.model_class)
+            dtype = kwargs.get("dtype", torch.float32)
+            model = load_thinker(model_cls, pretrained, dtype=dtype).to(device)
+            self.set_attention(
+                model,
+                backend=kwargs.get("attn_backend", "auto"),
+                vision_backend=kwargs.get("vision_attn_backend"),
+            )
+        else:
+            model = super().build(**kwargs)
         pe = self.audio_tower(model).positional_embedding
         if pe.positional_embedding.is_meta:
             with torch.device("cpu"):
                 table = pe.compute_default_singular_positional_embedding()
             pe.positional_embedding = table  # a registered buffer: assignment keeps it one
         return model
+
+    def pretrained_weights(self, folder: str) -> dict[str, torch.Tensor]:
+        """The thinker's weights of ``folder`` (full Omni or thinker only) keyed by the model's
+        parameter names, in the checkpoint's dtype: what rank 0 broadcasts into the FSDP2
+        shards. Read through transformers' ``from_pretrained`` (its renames and expert fusions
+        of the installed version), not the raw safetensors names."""
+        import transformers
+
+        model_cls = getattr(transformers, self.model_class)
+        return load_thinker(model_cls, folder, dtype="auto").state_dict()
 
     def audio_tower(self, model: nn.Module) -> nn.Module:
         return self.base_model(model).audio_tower
