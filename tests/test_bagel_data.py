@@ -64,6 +64,27 @@ def test_records_of_each_kind_become_parts_and_train(proc):
     assert torch.isfinite(res.loss_sum) and int(res.count) == row["num_loss_tokens"]
     assert float(res.metrics["fm"][1]) == (16 // 8) * (24 // 8) * 2  # two generated images
 
+    # the trainer's path: the loader's row of parts -> finish_pack (pixels kept, encoded on the
+    # device by the pixel-space stand-in) == the row encoded at pack time; a padding sample to a
+    # fixed row length (CUDA rows) changes nothing of the loss or the gradients
+    from lmms_data.processors import collate_parts
+
+    model.pixel_space_vae = True
+    parts_row = collate_parts([dict(o, seed=i) for i, o in enumerate(out)])
+    assert parts_row["vision_tokens"] == 2 * (8 // 4) * (16 // 4)  # two understood images
+    grads = []
+    for pad_to in (None, row["input_ids"].numel() + 7):
+        packed = spec.finish_pack(conf, parts_row, pad_to=pad_to)
+        assert packed["num_samples"] == 3 and "vae_pixels" in packed
+        model.zero_grad()
+        got = get_objective("ce_flow_matching").loss(spec, model, packed, ObjectiveContext())
+        assert torch.equal(got.loss_sum, res.loss_sum) and int(got.count) == int(res.count)
+        got.loss_sum.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads, strict=True))
+    with pytest.raises(ValueError, match="latent_downsample must match"):
+        spec.finish_pack(spec.tiny_config(latent_channels=3, vae_downsample=2), parts_row)
+
 
 def test_a_record_with_nothing_to_learn_is_a_bad_record(proc):
     with pytest.raises(lmms_data.BadRecordError, match="nothing to learn"):

@@ -439,3 +439,46 @@ def test_flux_vae_layout_loads_into_diffusers_autoencoder(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(attached.state_dict().values(),
                                                  ref.state_dict().values(), strict=True))  # fmt: skip
     assert spec.pixel_encoder(model)(px[0]).shape == (4, 4, 4)  # factor 4 on this tiny VAE
+
+
+def test_public_release_folder_builds(tmp_path):
+    """The public release's folder (``llm_config.json`` + ``vit_config.json`` in Qwen2 / SigLIP
+    keys, ``ema.safetensors``, FLUX ``ae.safetensors``; no config.json) builds with the authors'
+    reading (ViT minus its last layer, QK-norm) and loads strictly; the trainer's FSDP2 load reads
+    ``weights_file`` (ema.safetensors, not the VAE's file)."""
+    diffusers = pytest.importorskip("diffusers")
+    from safetensors.torch import save_file
+
+    from lmms_models._diffusion import encoders_of
+    from lmms_models.families.bagel import FLUX_VAE_CONFIG, diffusers_to_flux
+
+    spec = get_model_spec("bagel")
+    tiny = spec.tiny_config()
+    llm = {
+        **tiny["llm"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "max_position_embeddings": 64,
+    }
+    llm.pop("qk_norm")
+    vit = {**tiny["vit"], "num_hidden_layers": 3, "model_type": "siglip_vision_model"}
+    (tmp_path / "llm_config.json").write_text(json.dumps(llm))
+    (tmp_path / "vit_config.json").write_text(json.dumps(vit))
+    conf = spec.pretrained_config(str(tmp_path))
+    assert conf["vit"]["num_hidden_layers"] == 2 and conf["llm"]["qk_norm"] is True
+    assert conf["latent_channels"] == 16 and conf["max_latent_size"] == 64
+    torch.manual_seed(0)
+    src = spec.build(config=conf)
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()},
+              str(tmp_path / "ema.safetensors"))  # fmt: skip
+    ae = dict(FLUX_VAE_CONFIG, block_out_channels=[32, 32], layers_per_block=1,
+              down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2)  # fmt: skip
+    vae = diffusers.AutoencoderKL(**ae)
+    save_file({k: v.contiguous() for k, v in diffusers_to_flux(vae.state_dict()).items()},
+              str(tmp_path / "ae.safetensors"))  # fmt: skip
+    (tmp_path / "ae_config.json").write_text(json.dumps(ae))
+    model = spec.build(pretrained=str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 src.state_dict().values(), strict=True))  # fmt: skip
+    assert "vae" in encoders_of(model)
+    assert spec.weights_file(str(tmp_path)).name == "ema.safetensors"

@@ -262,7 +262,7 @@ def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, An
 
     dcfg, finish = data_config(cfg, spec), None
     if hasattr(spec, "finish_pack"):  # packed model-side (bagel): options from the model config
-        dcfg, finish = _model_side_packing(cfg, spec, dcfg)
+        dcfg, finish = _model_side_packing(cfg, spec, dcfg, env)
     _check_inputs(cfg, spec, dcfg)
     try:
         processor = build_processor(dcfg.processor_family, dcfg.processor_path, dcfg)
@@ -297,10 +297,11 @@ def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, An
     return TrainData(loader, finish), eval_data
 
 
-def _model_side_packing(cfg: TrainConfig, spec: Any, dcfg: Any) -> tuple[Any, Any]:
+def _model_side_packing(cfg: TrainConfig, spec: Any, dcfg: Any, env: DistEnv) -> tuple[Any, Any]:
     """A family that packs model-side (bagel): its processor options derived from the model
     config (`spec.processor_options`, under the user's `dataset_config.extra`) and the host-side
-    step that makes each loader row the packed row (`spec.finish_pack`)."""
+    step that makes each loader row the packed row (`spec.finish_pack`; on CUDA every row padded
+    to `packing_length`, so the compiled attention sees one shape)."""
     import functools
 
     from lmms_train._latent_data import model_config_for_data
@@ -310,4 +311,6 @@ def _model_side_packing(cfg: TrainConfig, spec: Any, dcfg: Any) -> tuple[Any, An
         extra = {**spec.processor_options(conf), **dcfg.extra}
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"model_config: {exc}") from None
-    return dataclasses.replace(dcfg, extra=extra), functools.partial(spec.finish_pack, conf)
+    pad_to = dcfg.packing_length if env.device.type == "cuda" and dcfg.packing else None
+    finish = functools.partial(spec.finish_pack, conf, pad_to=pad_to)
+    return dataclasses.replace(dcfg, extra=extra), finish

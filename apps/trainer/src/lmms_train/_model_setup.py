@@ -200,6 +200,8 @@ def build_model(
     handles: list[Any] = []
     meta = env.fsdp and m.load_from_pretrained_path is not None
     weights: Any = m.load_from_pretrained_path  # what rank 0 broadcasts into the shards
+    if weights is not None and hasattr(spec, "weights_file"):  # one file of several (bagel)
+        weights = str(spec.weights_file(weights))
     attn = t.attn_backend if t.use_rmpad else "sdpa"
     backends = dict(attn_backend=attn, vision_attn_backend=t.vision_attn_backend)
     try:

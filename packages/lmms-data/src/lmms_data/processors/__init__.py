@@ -5,7 +5,7 @@ from lmms_data.processors._audio import (
     Qwen2AudioDataProcessor,
     audio_output_lengths,
 )
-from lmms_data.processors._bagel import BagelDataProcessor
+from lmms_data.processors._bagel import BagelDataProcessor, collate_parts
 from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
 from lmms_data.processors._llava_onevision import LlavaOnevisionDataProcessor, anyres_image_tokens
 from lmms_data.processors._mrope import mrope_positions
@@ -36,6 +36,7 @@ __all__ = [
     "QwenVLProcessor",
     "anyres_image_tokens",
     "audio_output_lengths",
+    "collate_parts",
     "mrope_positions",
     "smart_resize",
     "tmrope_positions",

@@ -105,8 +105,32 @@ class BagelSpec(ModelSpec):
         return BagelConfig.from_dict({k: v for k, v in config.items() if not drop(k)})
 
     def pretrained_config(self, path: str) -> dict[str, Any]:
-        """The config dict of a local folder (``config.json``, this family's keys)."""
-        return json.loads((Path(path) / "config.json").read_text())
+        """The config dict of a local folder: ``config.json`` (this family's keys, what lmms
+        exports), or the public release's ``llm_config.json`` + ``vit_config.json`` (Qwen2 and
+        SigLIP configs, read as the authors' loader does: QK-norm on, untied head, the ViT's
+        last layer dropped; 2 x 2 latent patches, 64 x 64 latent and 70 x 70 ViT position
+        tables) with its FLUX ``ae.safetensors`` as the VAE."""
+        folder = Path(path)
+        if (folder / "config.json").is_file() or not (folder / "llm_config.json").is_file():
+            return json.loads((folder / "config.json").read_text())
+        llm = json.loads((folder / "llm_config.json").read_text())
+        vit = json.loads((folder / "vit_config.json").read_text())
+        keep = lambda d, cls: {k: d[k] for k in cls.__dataclass_fields__ if k in d}  # noqa: E731
+        conf: dict[str, Any] = dict(self.presets["7b-mot"])
+        conf["llm"] = {**keep(llm, LLMConfig), "qk_norm": True, "tie_word_embeddings": False}
+        conf["vit"] = {**keep(vit, ViTConfig), "num_hidden_layers": vit["num_hidden_layers"] - 1}
+        if (folder / "ae.safetensors").is_file():
+            conf["vae"] = str(folder / "ae.safetensors")
+        return conf
+
+    def weights_file(self, path: str) -> Path:
+        """The trained weights of a local folder: ``model.safetensors`` (an lmms export) or
+        ``ema.safetensors`` (the public release; its ``ae.safetensors`` is the VAE's)."""
+        folder = Path(path)
+        for name in ("model.safetensors", "ema.safetensors"):
+            if (folder / name).is_file():
+                return folder / name
+        raise FileNotFoundError(f"{folder}: no model.safetensors or ema.safetensors")
 
     def attach_vae(self, model: nn.Module, source: dict[str, Any] | str) -> None:
         """Attach the frozen VAE outside the trained module tree (not in the state dict, FSDP
@@ -177,26 +201,20 @@ class BagelSpec(ModelSpec):
         vision_attn_backend: str | None = None,
         **_: Any,
     ) -> nn.Module:
-        """A :class:`Bagel` from a config dict, or a local folder with ``config.json`` (this
-        spec's dict) and ``model.safetensors`` / ``ema.safetensors`` (the public layout)."""
+        """A :class:`Bagel` from a config dict, or a local folder (:meth:`pretrained_config`:
+        an lmms export or the public release) with ``model.safetensors`` / ``ema.safetensors``
+        (the public layout)."""
         if (config is None) == (pretrained is None):
             raise ValueError("give exactly one of config= or pretrained=")
         if pretrained is not None:
-            config = json.loads((Path(pretrained) / "config.json").read_text())
+            config = self.pretrained_config(pretrained)
         with torch.device(device):
             model = Bagel(self.make_config(config))  # type: ignore[arg-type]
         model.vit_model.attn_backend = vision_attn_backend or attn_backend
         if pretrained is not None and torch.device(device).type != "meta":
             from safetensors.torch import load_file
 
-            folder = Path(pretrained)
-            name = next(
-                (n for n in ("model.safetensors", "ema.safetensors") if (folder / n).is_file()),
-                None,
-            )
-            if name is None:
-                raise FileNotFoundError(f"{folder}: no model.safetensors or ema.safetensors")
-            model.load_state_dict(load_file(str(folder / name)))
+            model.load_state_dict(load_file(str(self.weights_file(pretrained))))
         model = model.to(dtype)
         vae = config.get("vae")  # type: ignore[union-attr]
         if (
@@ -226,16 +244,27 @@ class BagelSpec(ModelSpec):
         }
 
     def finish_pack(
-        self, config: dict[str, Any] | BagelConfig, row: dict[str, Any], backend: str = "sdpa"
-    ) -> dict[str, Any]:
+        self, config: dict[str, Any] | BagelConfig, row: dict[str, Any], backend: str = "auto",
+        pad_to: int | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """lmms_data's row of parts (``collate_parts``) -> the packed row (:func:`pack_samples`,
-        host tensors; VAE pixels are encoded later on the device by :meth:`prepare_row`)."""
+        host tensors; VAE pixels are encoded later on the device by :meth:`prepare_row`).
+
+        ``pad_to``: append a padding sample (unsupervised text, its own sample: it attends and is
+        attended only within itself) so every row has this length; the compiled FlexAttention
+        (static shapes) then compiles once. ``num_samples`` counts the real samples only."""
         cfg = self.make_config(config)
+        parts, seeds = list(row["bagel_parts"]), list(row["seeds"])
+        n_pad = 0 if pad_to is None else pad_to - sum(row["lengths"])
+        if n_pad > 0:
+            parts.append([{"type": "text", "ids": [0] * n_pad, "loss": False}])
+            seeds.append(0)
         out = pack_samples(
-            row["bagel_parts"], cfg, start_of_image=row["start_of_image"],
-            end_of_image=row["end_of_image"], seeds=row["seeds"], backend=backend,
+            parts, cfg, start_of_image=row["start_of_image"], end_of_image=row["end_of_image"],
+            seeds=seeds, backend=backend,
         )  # fmt: skip
-        if out["layout"].sample_lens != list(row["lengths"]):
+        out["num_samples"] = len(row["lengths"])
+        if out["layout"].sample_lens[: len(row["lengths"])] != list(row["lengths"]):
             raise ValueError(
                 f"bagel: packed sample lengths {out['layout'].sample_lens} differ from the "
                 f"processor's {list(row['lengths'])}: dataset_config.extra's vit_patch_size / "

@@ -20,6 +20,7 @@ Backends (``PackLayout.backend``):
 * ``"flex"``: FlexAttention over the whole row with a block mask from the same rule (built once
   per row, shared by every layer). Compiled on CUDA (block-sparse: the cost follows the mask);
   eager elsewhere (tests).
+* ``"auto"``: ``flex`` on CUDA, ``sdpa`` elsewhere (FlexAttention has no CPU backward).
 * A row whose spans are all ``causal`` (text only) goes through lmms_kernels' varlen attention
   (``varlen_backend``: flash-attn on GPUs), whichever backend is chosen.
 """
@@ -56,7 +57,7 @@ class PackLayout:
     span_id: torch.Tensor  # [T] int32, unique per span in the row
     mode: torch.Tensor  # [T] int8 per token: CAUSAL / FULL / NOISE of its span
     all_causal: bool  # text only: the varlen fast path
-    backend: str = "sdpa"  # "sdpa" | "flex"
+    backend: str = "sdpa"  # "sdpa" | "flex" | "auto"
     varlen_backend: str = "auto"
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -129,13 +130,16 @@ def span_attention(
         mx = max(layout.sample_lens)
         return varlen_attention(q, k, v, cu, cu, mx, mx, causal=True, backend=layout.varlen_backend)
     rep = q.shape[1] // k.shape[1]
-    if layout.backend == "flex":
+    backend = layout.backend
+    if backend == "auto":
+        backend = "flex" if q.device.type == "cuda" else "sdpa"
+    if backend == "flex":
         qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, T, D]
         fn = _flex_fn(q.device.type == "cuda")
         out = fn(qt, kt, vt, block_mask=layout.block_mask(q.shape[1]), enable_gqa=rep > 1)
         return out[0].transpose(0, 1)
-    if layout.backend != "sdpa":
-        raise ValueError(f"bagel attention backend {layout.backend!r}: choose sdpa or flex")
+    if backend != "sdpa":
+        raise ValueError(f"bagel attention backend {backend!r}: choose sdpa, flex or auto")
     outs, start = [], 0
     for n, mask in zip(layout.sample_lens, layout.sample_masks(), strict=True):
         sl = slice(start, start + n)
