@@ -13,8 +13,57 @@ stage() {  # name cap command...
   timeout "$c" "$@" > "$OUT/$name.txt" 2>&1; echo "[$name] rc=$? after $(( $(date +%s) - start ))s"
   tail -n "${TAIL:-6}" "$OUT/$name.txt"
 }
+# Issue 29 (round 2), one same-run baseline per target. `round2` is every r2 stage in order; a
+# device call is capped at 600 s, so a session runs them as several calls (the order and what each
+# costs: docs/trainer.md, "Performance levers"), then `benchmarks/train/round2_report.py OUT*/
+# bench_train-r2*.json` prints the rows and verdicts. -before: the levers off (the trainer before
+# issue 29); -after: LM head on labelled rows, GC control, compile warm-up.
+R2="--compile --steps 21 --warmup 4 --records 1500"
+R2_AFTER="--loss-rows labelled --gc-control --compile-warmup"
+STAGES=${STAGES/round2/r2tests r2vl16 r2vl32 r2muon r2text r2vl7b r2cold}
 for s in $STAGES; do
   case $s in
+    r2tests) stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      packages/lmms-kernels/tests/test_flce_triton.py packages/lmms-kernels/tests/test_warmup.py \
+      packages/lmms-optim/tests/test_lowp_adamw.py ;;
+    # VL-3B 16k (targets: total MFU >= 55%, LM-only >= 44%); the first case carries the compile
+    r2vl16) stage train_r2vl16 280 python3 benchmarks/train/bench_train.py $R2 --case-timeout 270 \
+      --tag=-before --json bench_train-r2vl16-before.json --cases vl3b_16k
+      stage train_r2vl16b 200 python3 benchmarks/train/bench_train.py $R2 $R2_AFTER \
+      --case-timeout 190 --tag=-after --json bench_train-r2vl16-after.json --cases vl3b_16k ;;
+    r2vl32) stage train_r2vl32 280 python3 benchmarks/train/bench_train.py $R2 --case-timeout 270 \
+      --tag=-before --json bench_train-r2vl32-before.json --cases vl3b_32k
+      stage train_r2vl32b 250 python3 benchmarks/train/bench_train.py $R2 $R2_AFTER \
+      --case-timeout 240 --tag=-after --json bench_train-r2vl32-after.json --cases vl3b_32k ;;
+    # Muon vs AdamW at 32k tokens per step, three interleaved pairs (median of 3, spread); after
+    # r2vl32 on the same machine (warm caches), levers on in both
+    r2muon) for i in 1 2 3; do
+        stage train_r2adamw$i 95 python3 benchmarks/train/bench_train.py --compile --steps 12 \
+          --warmup 3 --records 1500 $R2_AFTER --case-timeout 90 --tag=-adamw$i \
+          --json bench_train-r2adamw$i.json --cases vl3b_32k
+        stage train_r2muon$i 95 python3 benchmarks/train/bench_train.py --compile --steps 12 \
+          --warmup 3 --records 1500 $R2_AFTER --case-timeout 90 --tag=-muon$i \
+          --json bench_train-r2muon$i.json --cases vl3b_32k_muon
+      done ;;
+    # text 3B (>= 62%) and 1.5B (>= 58%), before and after
+    r2text) stage train_r2text 280 python3 benchmarks/train/bench_train.py $R2 --case-timeout 135 \
+      --tag=-before --json bench_train-r2text-before.json --cases text3b_16k text1p5b_16k
+      stage train_r2textb 280 python3 benchmarks/train/bench_train.py $R2 $R2_AFTER \
+      --case-timeout 135 --tag=-after --json bench_train-r2text-after.json \
+      --cases text3b_16k text1p5b_16k ;;
+    # VL-7B shape, every parameter trained: fp32 AdamW state (predicted not to fit) then bf16
+    # moments (predicted 109 GiB; MFU >= 40%)
+    r2vl7b) stage train_r2vl7b 560 python3 benchmarks/train/bench_train.py $R2 $R2_AFTER \
+      --case-timeout 270 --tag=-after --json bench_train-r2vl7b.json \
+      --cases vl7b_16k_fp32state vl7b_16k ;;
+    # cold start: 30 timed steps from empty Inductor/Triton/FA4 caches, without then with the
+    # compile warm-up and GC control (target: mean within 3% of the median step)
+    r2cold) stage train_r2cold 290 python3 benchmarks/train/bench_train.py --compile --steps 30 \
+      --warmup 0 --records 1500 --cold-cache --case-timeout 280 --tag=-coldbefore \
+      --json bench_train-r2cold-before.json --cases vl3b_16k
+      stage train_r2coldb 290 python3 benchmarks/train/bench_train.py --compile --steps 30 \
+      --warmup 0 --records 1500 --cold-cache --gc-control --compile-warmup --case-timeout 280 \
+      --tag=-coldafter --json bench_train-r2cold-after.json --cases vl3b_16k ;;
     tests) stage gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
       packages/lmms-optim/tests/test_triton_gpu.py packages/lmms-kernels/tests apps/trainer/tests/test_step.py ;;
     quicktests) stage gpu_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -483,6 +483,9 @@ def main() -> None:
         action="store_true",
         help="each case with empty Inductor, Triton and FA4 disk caches (a cold start)",
     )
+    p.add_argument(
+        "--json", help="file name of the rows under $OUT (default bench_train<tag>.json)"
+    )
     p.add_argument("--records", type=int, default=3000)
     p.add_argument("--work", default="/tmp/lmms-bench-train")
     p.add_argument("--case-timeout", type=int, default=400)
@@ -518,7 +521,7 @@ def main() -> None:
         results.append(res)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        Path(os.environ["OUT"], f"bench_train{args.tag}.json").write_text(
+        Path(os.environ["OUT"], args.json or f"bench_train{args.tag}.json").write_text(
             json.dumps(results, indent=1)
         )
     cols = ["case", "status", "T", "tok_s", "mfu", "mfu_causal_half", "mfu_lm", "peak_gib",
