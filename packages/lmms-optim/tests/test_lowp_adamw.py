@@ -127,3 +127,29 @@ def test_clip_scale_and_grad_source():
     opt_b.step()
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_rounding_and_resume():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.full((1 << 20,), 1.0 + 2**-10, device="cuda")
+    out = stochastic_round_(torch.empty_like(x, dtype=torch.bfloat16), x, gen).float()
+    assert set(out.unique().tolist()) == {1.0, 1.0078125}
+    assert abs(out.double().mean().item() - (1.0 + 2**-10)) < 1e-4
+    p = torch.nn.Parameter(torch.randn(4096, 1024, device="cuda").bfloat16())
+    q = torch.nn.Parameter(p.detach().clone())
+    grads = [torch.randn(4096, 1024, device="cuda") for _ in range(4)]
+    a, b = LowPrecisionAdamW([p], lr=1e-3, seed=1), None
+    for i, g in enumerate(grads):
+        if i == 2:
+            saved = copy.deepcopy(a.state_dict())
+            q.data.copy_(p.detach())
+        p.grad = g.bfloat16()
+        a.step()
+    b = LowPrecisionAdamW([q], lr=1e-3, seed=1)
+    b.load_state_dict(saved)
+    for g in grads[2:]:
+        q.grad = g.bfloat16()
+        b.step()
+    assert torch.equal(p, q)
