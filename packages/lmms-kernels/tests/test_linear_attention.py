@@ -136,6 +136,65 @@ def test_gated_rms_norm_and_backend_errors():
         gated_delta_rule_varlen(*_inputs([4], hk=3, hv=4), _cu([4]))
 
 
+def test_fla_gets_one_int64_cu_seqlens_per_pack():
+    """Every layer's kernel calls on one pack get the same int64 ``cu_seqlens`` object (fla keys
+    its chunk-index cache on it: one host read per pack); another pack gets its own."""
+    from lmms_kernels._linear_attention import _fla_cu
+
+    cu, other = _cu(LENS), _cu([5, 5])
+    first = _fla_cu(cu, cu.device)
+    assert first.dtype == torch.long and torch.equal(first, cu.long())
+    assert _fla_cu(cu, cu.device) is first
+    assert _fla_cu(other, cu.device) is not first and _fla_cu(cu, cu.device) is first
+
+
+def test_linear_ops_opcheck():
+    """The custom ops that ``torch.compile`` sees: fakes and autograd registrations (AOT dispatch
+    is the compiled test's below; the schema check runs the delta rule's many small ops under a
+    checking mode, 10 s, so it checks the convolution's schema only)."""
+    checks = ("test_autograd_registration", "test_faketensor")
+    xs = _inputs([9, 1, 6], seed=4)
+    cu = _cu([9, 1, 6])
+    rule = torch.ops.lmms_kernels.delta_rule_varlen
+    torch.library.opcheck(rule, (*xs, cu, 8**-0.5, True, 16, "torch"), test_utils=checks)
+    out = rule(*(x.detach() for x in xs), cu, 8**-0.5, True, 16, "torch")
+    torch.library.opcheck(
+        torch.ops.lmms_kernels.delta_rule_varlen_backward,
+        (torch.randn_like(out), *(x.detach() for x in xs), cu, 8**-0.5, True, 16, "torch"),
+        test_utils=checks,
+    )
+    x, w, b = (torch.randn(*s).requires_grad_() for s in ((16, 6), (6, 4), (6,)))
+    for bias in (None, b):
+        torch.library.opcheck(
+            torch.ops.lmms_kernels.conv1d_varlen,
+            (x, w, bias, cu, "silu", "torch"),
+            test_utils=(*checks, "test_schema"),
+        )
+
+
+def test_compiled_ops_match_eager_without_graph_breaks():
+    """Conv then delta rule, compiled whole (``fullgraph``, dynamic shapes): values and gradients
+    equal eager on packs of two lengths (the torch reference's host reads stay in the op)."""
+    import torch._dynamo
+
+    def layer(x, w, q, k, g, beta, cu):  # x [T, Hv*Dv] through the conv into v
+        v = causal_conv1d_varlen(x, w, None, cu, backend="torch").reshape(x.shape[0], 4, 6)
+        return gated_delta_rule_varlen(q, k, v, g, beta, cu, chunk_size=16, backend="torch")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)
+    for lens in (LENS, [5, 40, 2]):
+        q, k, _, g, beta = _inputs(lens, seed=len(lens))
+        x = torch.randn(sum(lens), 24).requires_grad_()
+        w = torch.randn(24, 4).requires_grad_()
+        args = (x, w, q, k, g, beta, _cu(lens))
+        want, got = layer(*args), compiled(*args)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        leaves = (x, w, q, k, g, beta)
+        for a, r in zip(_grads(got, leaves), _grads(want, leaves), strict=True):
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------- GPU: fla against the reference
 
 GPU_LENS = [1000, 1, 63, 64, 65, 2000, 7]  # mid-chunk ends, a length-1 sample, chunk edges
@@ -166,9 +225,12 @@ def test_fla_conv_matches_torch_reference():
     c = 256
     x = torch.randn(sum(GPU_LENS), c, generator=gen).cuda().requires_grad_()
     w = torch.randn(c, 4, generator=gen).cuda().requires_grad_()
+    b = torch.randn(c, generator=gen).cuda().requires_grad_()
     cu = _cu(GPU_LENS, "cuda")
-    out = causal_conv1d_varlen(x, w, None, cu, backend="fla")
-    ref = causal_conv1d_varlen(x, w, None, cu, backend="torch")
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    for a, b in zip(_grads(out, (x, w)), _grads(ref, (x, w)), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    for bias in (None, b):
+        out = causal_conv1d_varlen(x, w, bias, cu, backend="fla")
+        ref = causal_conv1d_varlen(x, w, bias, cu, backend="torch")
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        leaves = (x, w) if bias is None else (x, w, bias)
+        for a, r in zip(_grads(out, leaves), _grads(ref, leaves), strict=True):
+            torch.testing.assert_close(a, r, rtol=1e-3, atol=1e-3)

@@ -207,7 +207,72 @@ def test_hooks_of_the_fla_family():
         spec.make_config(spec.tiny_config(attn={"layers": [1], "num_heads": 2}))
 
 
+def _compiled_matches_eager(name, device, linear_backend, compile_backend, ac):
+    """Loss and gradients of two packs of different lengths through the packed forward, eager
+    and with the decoder blocks compiled as ``trainer_args.compile`` does (dynamic shapes, after
+    activation checkpointing when ``ac``); the compiled blocks are removed afterwards."""
+    from torch._dynamo.utils import counters
+
+    import lmms_kernels as lk
+    import lmms_parallel as lp
+
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa").to(device)
+    spec.set_linear_backend(model, linear_backend)
+    samples = _samples(spec, model)
+    packs = [pack_samples(spec, model, samples), pack_samples(spec, model, samples[:3])]
+    packs = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()} for b in packs]
+
+    def run():
+        out = []
+        for batch in packs:
+            model.zero_grad(set_to_none=True)
+            loss, count = spec.packed_forward(model, batch)
+            (loss / count).backward()
+            out.append((loss.detach(), _grads(model)))
+        return out
+
+    eager = run()
+    blocks = spec.decoder_blocks(model)
+    ac = lp.apply_activation_checkpointing(blocks, "full") if ac else None
+    torch._dynamo.reset()
+    counters.clear()
+    handle = lk.compile_blocks(blocks, backend=compile_backend)
+    try:
+        compiled = run()
+        graphs, breaks = lk.compile_counts()["graphs"], lk.compile_counts()["graph_breaks"]
+    finally:
+        handle.remove()
+        if ac is not None:
+            ac.remove()
+    assert graphs > 0
+    if name != "qwen3_5_moe":  # (the routed experts' token counts are data-dependent)
+        assert breaks == 0, counters["graph_break"]
+    for (loss_e, g_e), (loss_c, g_c) in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-4, atol=1e-4)
+        assert g_c.keys() == g_e.keys()
+        for k, g in g_e.items():
+            scale = g.abs().max().clamp_min(1e-3)
+            err = float((g_c[k] - g).abs().max() / scale)
+            assert err < 1e-3, (k, err)
+
+
 # ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ac", [False, True], ids=["no_ac", "full_ac"])
+@pytest.mark.parametrize("name", LINEAR_FAMILIES)
+def test_gpu_compiled_blocks_on_fla_kernels_match_eager(name, ac):
+    """``torch.compile`` (Inductor, dynamic shapes) of the decoder blocks with the packed mixers
+    on flash-linear-attention's kernels (custom ops in the graphs: lmms_kernels._linear_ops):
+    loss and gradients equal the eager model's on two packs of different lengths, with and
+    without activation checkpointing, and the dense families' blocks compile without graph
+    breaks. (On CPU the same blocks compile whole on the torch path too, but take minutes: the
+    ops' compiled test is in lmms-kernels.)"""
+    pytest.importorskip("fla")
+    _compiled_matches_eager(name, "cuda", "fla", "inductor", ac)
 
 
 @pytest.mark.gpu

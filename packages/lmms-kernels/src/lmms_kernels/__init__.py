@@ -1,6 +1,9 @@
 """lmms-kernels: varlen attention backends, fused linear cross-entropy, scoped Liger patching."""
 
-from . import _attention_ops  # noqa: F401  (registers the lmms_kernels:: custom ops)
+from . import (
+    _attention_ops,  # noqa: F401  (registers the lmms_kernels:: custom ops)
+    _linear_ops,  # noqa: F401  (registers the linear-attention custom ops)
+)
 from ._attention import BACKENDS, available_backends, resolve_backend, varlen_attention
 from ._compile import (
     CompileHandle,

@@ -15,6 +15,11 @@ Two backends, one contract:
 
 ``"auto"`` takes ``"fla"`` for CUDA tensors when flash-linear-attention imports, else ``"torch"``.
 
+On the fla path the pack's ``cu_seqlens`` reaches the kernels as one int64 tensor per pack (the
+same object for every layer's calls, so fla's identity cache of its chunk indices reads the
+lengths on the host once per pack, not once per call). Under ``torch.compile`` both ops are
+custom ops (``_linear_ops.py``): no graph break, neither backend's Python traced.
+
 Shapes follow the packed row (no batch dimension): ``q/k [T, Hk, Dk]``, ``v [T, Hv, Dv]``,
 ``g/beta [T, Hv]`` (``Hv % Hk == 0``: grouped value heads, each q/k head serving ``Hv / Hk``
 consecutive value heads), ``cu_seqlens [n+1]`` int32 with ``cu_seqlens[-1] == T``.
@@ -22,6 +27,7 @@ consecutive value heads), ``cu_seqlens [n+1]`` int32 with ``cu_seqlens[-1] == T`
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import warnings
@@ -63,6 +69,46 @@ def _fla() -> Any:
     return chunk_gated_delta_rule, causal_conv1d
 
 
+#: (pack cu_seqlens, its int64 copy on the kernels' device) of the last few packs
+_FLA_CU: collections.deque[tuple[torch.Tensor, torch.Tensor]] = collections.deque(maxlen=4)
+
+
+def _fla_cu(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``cu`` as the int64 tensor fla's kernels take on ``device``: the same object for the same
+    ``cu``, so fla's identity-keyed caches (chunk indices, offsets) hit after the first call."""
+    for src, out in _FLA_CU:
+        if src is cu and out.device == device:
+            return out
+    out = cu.to(device, torch.long)
+    _FLA_CU.append((cu, out))
+    return out
+
+
+def _fla_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu: torch.Tensor, act: Any
+) -> torch.Tensor:
+    _, conv = _fla()
+    y, _ = conv(x=x[None], weight=weight, bias=bias, activation=act, backend="triton",
+                cu_seqlens=_fla_cu(cu, x.device))  # fmt: skip
+    return y[0]
+
+
+def _fla_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu: torch.Tensor,
+    scale: float,
+    qk_l2norm: bool,
+) -> torch.Tensor:
+    chunk, _ = _fla()
+    o, _ = chunk(q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=scale,
+                 use_qk_l2norm_in_kernel=qk_l2norm, cu_seqlens=_fla_cu(cu, q.device))  # fmt: skip
+    return o[0].to(v.dtype)
+
+
 def resolve_linear_backend(backend: str, device: torch.device) -> str:
     """``"torch"`` or ``"fla"`` for ``backend`` on ``device`` (``"auto"``: fla on CUDA if present)."""
     if backend not in LINEAR_BACKENDS:
@@ -80,7 +126,8 @@ def resolve_linear_backend(backend: str, device: torch.device) -> str:
     if backend == "fla":
         if device.type != "cuda":
             raise ValueError("backend='fla' runs Triton kernels and needs CUDA tensors")
-        _fla()
+        if not _fla_available():
+            _fla()  # raises the ImportError naming the extra
     return backend
 
 
@@ -106,12 +153,13 @@ def causal_conv1d_varlen(
     segment of ``t``. Same taps as ``nn.Conv1d(groups=C, padding=K-1)`` truncated to ``T``."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    if torch.compiler.is_compiling():  # opaque to the compiler (lmms_kernels._linear_ops)
+        return torch.ops.lmms_kernels.conv1d_varlen(
+            x, weight, bias, cu_seqlens, activation, backend
+        )
     be = resolve_linear_backend(backend, x.device)
     if be == "fla":
-        _, conv = _fla()
-        y, _ = conv(x=x[None], weight=weight, bias=bias, activation=activation,
-                    backend="triton", cu_seqlens=cu_seqlens.to(x.device, torch.long))  # fmt: skip
-        return y[0]
+        return _fla_conv(x, weight, bias, cu_seqlens, activation)
     total, kernel = x.shape[0], weight.shape[1]
     pos = _segment_positions(cu_seqlens.to(x.device), total)  # [T]
     w = weight.to(x.dtype)
@@ -153,13 +201,13 @@ def gated_delta_rule_varlen(
             f"value heads ({v.shape[1]}) must be a multiple of key heads ({k.shape[1]})"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if torch.compiler.is_compiling():  # opaque to the compiler (lmms_kernels._linear_ops)
+        return torch.ops.lmms_kernels.delta_rule_varlen(
+            q, k, v, g, beta, cu_seqlens, float(scale), qk_l2norm, chunk_size, backend
+        )
     be = resolve_linear_backend(backend, q.device)
     if be == "fla":
-        chunk, _ = _fla()
-        o, _ = chunk(q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=scale,
-                     use_qk_l2norm_in_kernel=qk_l2norm,
-                     cu_seqlens=cu_seqlens.to(q.device, torch.long))  # fmt: skip
-        return o[0].to(v.dtype)
+        return _fla_delta_rule(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm)
     return _gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, chunk_size)
 
 

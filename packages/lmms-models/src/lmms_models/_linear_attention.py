@@ -231,7 +231,8 @@ def fla_gdn_packed_mixer(
     """Packed forward of flash-linear-attention's ``GatedDeltaNet`` layer: separate q/k/v
     projections, one ``ShortConvolution`` each, ``a_proj``/``b_proj`` into the decay and write
     strength, ``g_proj`` gate into ``o_norm`` (``FusedRMSNormGated``; on CUDA with the fla
-    backend the module itself, else :func:`lmms_kernels.gated_rms_norm` on its weight)."""
+    backend the module itself, else, and under ``torch.compile``, :func:`lmms_kernels.gated_rms_norm`
+    on its weight)."""
     from lmms_kernels import gated_rms_norm, resolve_linear_backend
 
     if use_cache or past_key_values is not None:
@@ -255,7 +256,12 @@ def fla_gdn_packed_mixer(
         conv_b or (None,) * 3, self.A_log, self.dt_bias, cu, self._lmms_mixer,
         beta_scale=2.0 if self.allow_neg_eigval else 1.0, name="Gated DeltaNet",
     )  # fmt: skip
-    fused = resolve_linear_backend(self._lmms_mixer.backend, o.device) == "fla"
+    # fla's Triton gated norm in eager mode; under torch.compile the same math in torch (fused by
+    # Inductor; fla's Triton wrappers are not traced)
+    fused = (
+        not torch.compiler.is_compiling()
+        and resolve_linear_backend(self._lmms_mixer.backend, o.device) == "fla"
+    )
     if self.use_gate:
         gate = self.g_proj(x).reshape(-1, hv, dv)
         if fused:

@@ -112,9 +112,10 @@ class FlaSpec(LinearAttentionMixin, ModelSpec):
 
 
 def swiglu_mlp_forward(self: nn.Module, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    """fla's ``GatedMLP`` on CUDA as upstream; elsewhere the same SwiGLU in plain torch (fla's
+    """fla's ``GatedMLP`` on CUDA as upstream; elsewhere, and under ``torch.compile`` (Inductor
+    fuses it; fla's Triton wrappers are not traced), the same SwiGLU in plain torch (fla's
     ``swiglu`` is a Triton op even unfused)."""
-    if x.is_cuda:
+    if x.is_cuda and not torch.compiler.is_compiling():
         return type(self).forward(self, x, **kwargs)
     if self.hidden_act not in ("swish", "silu"):
         raise NotImplementedError(f"fla GatedMLP with hidden_act={self.hidden_act!r} off CUDA")
