@@ -345,6 +345,14 @@ class BagelSpec(ModelSpec):
     def lm_head(self, model: nn.Module) -> nn.Module:
         return model.language_model.lm_head
 
+    def install_sp(self, model: nn.Module, sp_group: Any) -> None:
+        """Nothing to install: under Ulysses SP the objective passes its ``sp_group`` to
+        :meth:`Bagel.hidden_states`, which slices the embedded row itself (``_sp.py``)."""
+        kv = model.config.llm.num_key_value_heads
+        size = torch.distributed.get_world_size(sp_group)
+        if kv % size:
+            raise ValueError(f"bagel: {kv} key/value heads do not split over SP degree {size}")
+
     def check_tp(self, config: Any, tp: int) -> None:
         if tp > 1:
             raise NotImplementedError("bagel: no tensor-parallel plan yet; use FSDP2")
