@@ -15,7 +15,7 @@ stage() {  # name cap command...
 }
 # Issue 29 (round 2), one same-run baseline per target. `round2` is every r2 stage in order; a
 # device call is capped at 600 s, so a session runs them as several calls (the order and what each
-# costs: docs/trainer.md, "Performance levers"), then `benchmarks/train/round2_report.py OUT*/
+# costs: benchmarks/README.md, "Issue 29 (round 2) on the GPU"), then `benchmarks/train/round2_report.py OUT*/
 # bench_train-r2*.json` prints the rows and verdicts. -before: the levers off (the trainer before
 # issue 29); -after: LM head on labelled rows, GC control, compile warm-up.
 R2="--compile --steps 21 --warmup 4 --records 1500"
