@@ -10,7 +10,7 @@ to per-rank JSON files the tests read. One spawn per world size runs every scena
 from __future__ import annotations
 
 import json
-import os
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -123,9 +123,11 @@ def _reference(name, cfg, packs, opt_kind):
     return losses, grads1, _named_full(model, grads=False), norms
 
 
-def _parallel_model(spec, cfg, mesh, *, tp: int, ep: int, weights, seed: int = 0) -> nn.Module:
+def _parallel_model(
+    spec, cfg, mesh, *, tp: int, ep: int, weights, seed: int = 0, load: bool = True
+) -> nn.Module:
     """The trainer's order: meta build, TP/EP plans, FSDP2 (experts as their own units),
-    materialise, rank 0's weights."""
+    materialise, rank 0's weights (``load=False``: a checkpoint brings them)."""
     torch.manual_seed(seed)
     with lp.meta_init():
         model = spec.build(config=cfg, device="meta", attn_backend="varlen_sdpa")
@@ -142,7 +144,8 @@ def _parallel_model(spec, cfg, mesh, *, tp: int, ep: int, weights, seed: int = 0
     blocks = spec.vision_blocks(model) + spec.decoder_blocks(model) + spec.embeddings(model)
     lp.apply_fsdp(model, lp.fsdp_mesh(mesh), blocks=blocks, param_dtype=None, units=units)
     lp.materialize(model, "cpu")
-    lp.load_full_state_dict(model, weights)
+    if load:
+        lp.load_full_state_dict(model, weights)
     return model
 
 
@@ -168,11 +171,77 @@ def _resume_one_process(name, cfg, packs, opt_kind, ckpt, group, final) -> dict[
     return {"one_losses": losses, "one_param_err": _rel_err(_named_full(model, False), final)[0]}
 
 
+def _install(spec, model: nn.Module, group: Any) -> list[Any]:
+    """The vision tower's participation on text-only ranks, and Ulysses SP (``group``)."""
+    handles = []
+    tower = spec.vision_tower(model)
+    if tower is not None:
+        dummy = lambda: spec.dummy_vision_inputs(model, torch.device("cpu"))  # noqa: E731
+        part = lp.VisionParticipation(spec.sp_slice_module(model), tower, dummy)
+        handles.append(part.install())
+    if group is not None:
+        spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
+        handles.append(lp.SequenceParallel(spec.sp_slice_module(model), group).install())
+    return handles
+
+
+def _n_loss_tokens(batch: dict[str, Any]) -> torch.Tensor:
+    from lmms_models import shift_labels_packed
+
+    return (shift_labels_packed(batch["labels"].reshape(-1), batch["cu_seqlens"]) != -100).sum()
+
+
+def _step(spec, model, opt, batches: list[Any], *, sp_group, dp_group, on_grads=None) -> tuple:
+    """One optimizer step over this rank's micro-batches ``batches``: each backward divides by
+    the global loss-token count (all micro-batches, all DP ranks). Returns ``(loss, norm)``."""
+    total = sum(_n_loss_tokens(b) for b in batches).clone()
+    dist.all_reduce(total, group=dp_group)
+    logged = torch.zeros(())
+    for batch in batches:  # through the root module's call, so FSDP2's hooks run
+        model.forward = lambda b=batch: spec.packed_forward(model, b, sp_group=sp_group)
+        loss_sum, _n = model(b=batch)
+        del model.forward
+        (loss_sum / total).backward()
+        logged += loss_sum.detach()
+    dist.all_reduce(logged, group=dp_group)
+    if on_grads is not None:
+        on_grads(model)
+    norm = float(lp.clip_grad_norm_(model.parameters(), CLIP, model=model))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(logged / total), norm
+
+
+def _export_check(spec, cfg, model: nn.Module, final: dict, out: Path) -> dict[str, Any]:
+    """The trainer's export path (``lmms_train._export.export_run``, rank 0 writes), loaded back
+    by transformers' Auto class on rank 0: every weight equals the run's own (gathered) and the
+    logits on a text row equal those of one process holding those weights, same class and code."""
+    from lmms_train._export import auto_class_for, export_run
+
+    path = export_run(model, out, weights=None, processor_path=None)
+    if dist.get_rank() != 0:
+        return {}
+    auto = auto_class_for(model.config, spec.model_class)
+    loaded = auto.from_pretrained(str(path), attn_implementation="eager").eval()
+    ref = type(loaded)._from_config(loaded.config, attn_implementation="eager").eval()
+    ref.load_state_dict(final, strict=True)
+    got = {k: v.detach() for k, v in loaded.named_parameters()}
+    w_err = max(float((got[k] - final[k]).abs().max()) for k in final)
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits_err = float((loaded(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max())
+    return {"hf_class": type(loaded).__name__, "weights_err": w_err, "logits_err": logits_err,
+            "same_keys": set(got) == set(final)}  # fmt: skip
+
+
 def run_case(
-    name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", images=True, ckpt_dir=None
-):
+    name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", images=True, ckpt_dir=None,
+    export_dir=None, regroup=None, scenario="",
+):  # fmt: skip
     """One layout against the 1-process reference on the same packs; with ``ckpt_dir``, also a
-    DCP save at step CKPT_STEP resumed by the same layout and by one process."""
+    DCP save at step CKPT_STEP resumed by the same layout and by one process (``regroup``: the
+    degrees a 2-rank stage resumes at, after the spawn's scenarios: :func:`resume_regrouped`);
+    with ``export_dir``, the trainer's HF export loaded by transformers (:func:`_export_check`)."""
     from lmms_parallel import ParallelDims
 
     spec = get_model_spec(name)
@@ -191,69 +260,54 @@ def run_case(
     weights = ref_model.state_dict() if rank == 0 else None
 
     model = _parallel_model(spec, cfg, mesh, tp=tp, ep=ep, weights=weights)
-
     group = lp.sp_group(mesh) if sp > 1 else None
-
-    def install(model: nn.Module) -> list[Any]:
-        """The vision tower's participation on text-only ranks, and Ulysses SP."""
-        handles = []
-        tower = spec.vision_tower(model)
-        if tower is not None:
-            dummy = lambda: spec.dummy_vision_inputs(model, torch.device("cpu"))  # noqa: E731
-            part = lp.VisionParticipation(spec.sp_slice_module(model), tower, dummy)
-            handles.append(part.install())
-        if group is not None:
-            spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
-            handles.append(lp.SequenceParallel(spec.sp_slice_module(model), group).install())
-        return handles
-
-    handles = install(model)
+    handles = _install(spec, model, group)
     dp_rank = lp.dp_mesh(mesh).get_local_rank()
     dp_group = lp.dp_mesh(mesh).get_group()
     opt = _optimizer(spec, model, opt_kind)
-    losses, grads1, norms = [], None, []
+    losses, grads1, norms = [], [], []
 
-    def step(model: nn.Module, opt: Any, batch: Any) -> float:
-        model.forward = lambda b=batch: spec.packed_forward(model, b, sp_group=group)
-        loss_sum, n = model(b=batch)
-        del model.forward
-        total = n.clone()
-        dist.all_reduce(total, group=dp_group)
-        (loss_sum / total).backward()
-        logged = loss_sum.detach().clone()
-        dist.all_reduce(logged, group=dp_group)
-        nonlocal grads1
-        if grads1 is None:
-            grads1 = _named_full(model, grads=True)
-        norms.append(float(lp.clip_grad_norm_(model.parameters(), CLIP, model=model)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(logged / total)
+    def first_grads(model: nn.Module) -> None:
+        if not grads1:
+            grads1.append(_named_full(model, grads=True))
 
     ckpt = lp.Checkpointer(ckpt_dir) if ckpt_dir is not None else None
     for s, step_packs in enumerate(packs):
-        losses.append(step(model, opt, step_packs[dp_rank]))
+        loss, norm = _step(spec, model, opt, [step_packs[dp_rank]], sp_group=group,
+                           dp_group=dp_group, on_grads=first_grads)  # fmt: skip
+        losses.append(loss)
+        norms.append(norm)
         if ckpt is not None and s == CKPT_STEP - 1:
             ckpt.save(CKPT_STEP, model=model, optimizer=opt)
     final = _named_full(model, grads=False)
     resumed: dict[str, Any] = {}
+    t0 = time.perf_counter()
     if ckpt is not None:  # the same layout resumes at CKPT_STEP: the straight run's next steps
         again = _parallel_model(spec, cfg, mesh, tp=tp, ep=ep, weights=weights, seed=1)
-        handles += install(again)
+        handles += _install(spec, again, group)
         opt2 = _optimizer(spec, again, opt_kind)
         ckpt.load(model=again, optimizer=opt2)
-        resumed["losses"] = [step(again, opt2, p[dp_rank]) for p in packs[CKPT_STEP:]]
+        resumed["losses"] = [
+            _step(spec, again, opt2, [p[dp_rank]], sp_group=group, dp_group=dp_group)[0]
+            for p in packs[CKPT_STEP:]
+        ]
         resumed["param_err"] = _rel_err(_named_full(again, grads=False), final)[0]
-        del norms[STEPS:]
         # ... and one process (EP 1 / TP 1) resumes from the same checkpoint
         one = dist.new_group([0])
         if rank == 0:
             resumed.update(_resume_one_process(name, cfg, packs, opt_kind, ckpt, one, final))
         dist.barrier()
+        if regroup is not None:  # what the 2-rank stage needs
+            _REGROUP[scenario] = dict(name=name, cfg=cfg, packs=packs, opt_kind=opt_kind, ckpt=ckpt,
+                                  final=final, straight=losses[CKPT_STEP:], **regroup)  # fmt: skip
+    t1 = time.perf_counter()
     exported = lp.gather_full_state_dict(model)  # what export_hf writes (rank 0)
+    export = _export_check(spec, cfg, model, final, export_dir) if export_dir else {}
+    seconds = {"resume": t1 - t0, "export": time.perf_counter() - t1}
     for h in handles:
         h.remove()
-    out: dict[str, Any] = {"losses": losses, "norms": norms, "resumed": resumed}
+    out: dict[str, Any] = {"losses": losses, "norms": norms, "resumed": resumed, "export": export,
+                           "seconds": seconds}  # fmt: skip
     if rank == 0:
         ref_losses, ref_g, ref_p, ref_norms = _reference(name, cfg, packs, opt_kind)
         out.update(ref_norms=ref_norms)
@@ -265,9 +319,41 @@ def run_case(
             exported[k].shape == ref_p[k].shape for k in final
         )
         out.update(
-            ref=ref_losses, grad_err=_rel_err(grads1, ref_g), param_err=_rel_err(final, ref_p)
+            ref=ref_losses, grad_err=_rel_err(grads1[0], ref_g), param_err=_rel_err(final, ref_p)
         )
     return out
+
+
+#: scenario -> what its 2-rank stage needs (filled by run_case on the 4-rank world)
+_REGROUP: dict[str, dict[str, Any]] = {}
+
+
+def resume_regrouped(name, cfg, packs, opt_kind, ckpt, final, straight, tp=1, ep=1):
+    """Ranks 0 and 1 of a 4-rank spawn, in a new 2-rank process group: the 4-rank layout's
+    checkpoint resumes at degrees ``tp`` / ``ep`` on 2 ranks (e.g. EP 4 -> 2 and FSDP 4 -> 2).
+    Each rank takes the packs of two former DP ranks as micro-batches (the step's global batch
+    is the same), so the losses must be the straight run's."""
+    from lmms_parallel import ParallelDims
+
+    spec = get_model_spec(name)
+    dims = ParallelDims(tp=tp, ep=ep).resolve(dist.get_world_size())
+    mesh = dims.build_mesh("cpu")
+    model = _parallel_model(spec, cfg, mesh, tp=tp, ep=ep, weights=None, seed=1, load=False)
+    handles = _install(spec, model, None)
+    opt = _optimizer(spec, model, opt_kind)
+    ckpt.load(model=model, optimizer=opt)
+    dp_rank, dp_group = lp.dp_mesh(mesh).get_local_rank(), lp.dp_mesh(mesh).get_group()
+    per = len(packs[0]) // dims.dp_size  # former DP ranks per rank
+    losses = [
+        _step(spec, model, opt, p[dp_rank * per : (dp_rank + 1) * per], sp_group=None,
+              dp_group=dp_group)[0]
+        for p in packs[CKPT_STEP:]
+    ]  # fmt: skip
+    err = _rel_err(_named_full(model, grads=False), final)[0]
+    for h in handles:
+        h.remove()
+    return {"losses": losses, "straight": straight, "param_err": err, "tp": tp, "ep": ep,
+            "dp_shard": dims.dp_shard}  # fmt: skip
 
 
 def ep_zero_tokens(_out: Path) -> dict[str, Any]:
@@ -339,7 +425,9 @@ def muon_tp_exact(_out: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-#: scenario -> run_case keyword arguments (None: a function of its own)
+#: scenario -> run_case keyword arguments (None: a function of its own); ``ckpt``: save and
+#: resume (same layout, one process); ``export``: the HF export check; ``regroup``: the degrees a
+#: 2-rank stage resumes the 4-rank checkpoint at
 SCENARIOS: dict[str, dict[str, Any] | None] = {
     "ep_zero_tokens": None,
     "muon_tp_exact": None,
@@ -347,34 +435,66 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
     "ep2_moe_muon": dict(name="qwen3_moe", ep=2, opt_kind="muon", ckpt=True),
     "ep2_sp2_moe": dict(name="qwen3_moe", ep=2, sp=2),
     "ep2_qwen3_5_moe": dict(name="qwen3_5_moe", ep=2),  # another family: the same plan, no code
-    "tp2_vl_muon": dict(name="qwen3_vl", tp=2, opt_kind="muon"),
-    "ep4_moe": dict(name="qwen3_moe", ep=4),
-    "fsdp2_ep2_vl": dict(name="qwen3_vl_moe", ep=2, ckpt=True),
-    "tp2_fsdp2_qwen3": dict(name="qwen3", tp=2),
+    "tp2_vl_muon": dict(name="qwen3_vl", tp=2, opt_kind="muon", ckpt=True, export=True),
+    "ep4_moe": dict(name="qwen3_moe", ep=4, ckpt=True, regroup=dict(ep=2)),  # EP 4->2, FSDP 4->2
+    "fsdp2_ep2_vl": dict(name="qwen3_vl_moe", ep=2, ckpt=True, export=True),
+    "tp2_fsdp2_qwen3": dict(
+        name="qwen3", tp=2, ckpt=True, regroup=dict(tp=1)
+    ),  # TP2xFSDP2 -> FSDP2
 }
 WORLD_2 = ["ep_zero_tokens", "muon_tp_exact", "ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe",
            "ep2_qwen3_5_moe", "tp2_vl_muon"]  # fmt: skip
 WORLD_4 = ["ep4_moe", "fsdp2_ep2_vl", "tp2_fsdp2_qwen3"]
 
 
-def run(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _init(rank: int, world: int, port: int) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=120),
+    )  # fmt: skip
+
+
+def run(rank: int, world: int, ports: list[int], out_dir: str, names: list[str]) -> None:
+    """Every scenario of ``names`` on a ``world``-rank group; then, where scenarios asked for
+    it, ranks 0 and 1 form a new 2-rank group (``ports[1]``) and resume their checkpoints."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    _init(rank, world, ports[0])
     results: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception:  # recorded for the test; printed now, as the other ranks may hang
+            error = traceback.format_exc()
+            print(f"rank {rank} {name}:", error, flush=True)
+            return {"error": error}
+
     try:
         for name in names:
-            kwargs = SCENARIOS[name]
-            try:
-                if kwargs is None:
-                    results[name] = globals()[name](Path(out_dir))
-                elif kwargs.pop("ckpt", False):
-                    results[name] = run_case(**kwargs, ckpt_dir=Path(out_dir, "ckpt_" + name))
-                else:
-                    results[name] = run_case(**kwargs)
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
+            kwargs = dict(SCENARIOS[name] or {})
+            if SCENARIOS[name] is None:
+                results[name] = attempt(name, lambda n=name: globals()[n](Path(out_dir)))
+            else:
+                t0 = time.perf_counter()
+                for key in ("ckpt", "export"):
+                    if kwargs.pop(key, False):
+                        kwargs[key + "_dir"] = Path(out_dir, f"{key}_{name}")
+                results[name] = attempt(name, lambda kw=kwargs, n=name: run_case(**kw, scenario=n))
+                if "seconds" in results[name]:
+                    results[name]["seconds"]["total"] = time.perf_counter() - t0
             dist.barrier()
+        if any(SCENARIOS[n] and "regroup" in SCENARIOS[n] for n in names):
+            dist.destroy_process_group()
+            if rank < 2:
+                _init(rank, 2, ports[1])
+                for name in names:
+                    if name in _REGROUP:
+                        fn = lambda n=name: resume_regrouped(**_REGROUP[n])  # noqa: E731
+                        t0 = time.perf_counter()
+                        results[name]["regrouped"] = attempt(name, fn)
+                        results[name]["seconds"]["regroup"] = time.perf_counter() - t0
+                        dist.barrier()
     finally:
         Path(out_dir, f"ep_tp_rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()

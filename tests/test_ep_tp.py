@@ -5,6 +5,12 @@ EP 2 with Ulysses SP 2, TP 2, TP 2 x FSDP 2, with AdamW and Muon, three optimize
 Qwen3-MoE / Qwen3-VL-MoE (router aux loss on, a text-only rank next to image ranks) and Qwen3 /
 Qwen3-VL (TP), Qwen3.5-MoE (the same EP plan on another family); plus one experts module whose EP rank receives no token at all.
 
+Checkpoints (DCP, saved after step 2): every layout resumes bit for bit (EP 2, EP 4, FSDP 2 x
+EP 2, TP 2, TP 2 x FSDP 2) and one process resumes each to the same step-3 loss; the 4-rank
+checkpoints also resume on 2 ranks at other degrees (EP 4 -> 2 with FSDP 4 -> 2, TP 2 x FSDP 2
+-> FSDP 2) in a second process group of the same spawn. The trainer's HF export of a TP and an
+FSDP x EP run loads in transformers with the run's weights and logits, exactly.
+
 Gradients are clipped to a global norm of 1 (lmms_parallel.clip_grad_norm_ over parameters on
 different meshes, EP slices counted once) against torch's on the whole model.
 
@@ -33,10 +39,12 @@ def _spawn(world: int, names: list[str], out: Path) -> list[dict]:
     import _ep_tp_workers as W
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(W.run, args=(world, port, str(out), names), nprocs=world, join=True)
+    ports = []
+    for _ in range(2):  # the spawn's group, and the 2-rank group resuming 4-rank checkpoints
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    mp.spawn(W.run, args=(world, ports, str(out), names), nprocs=world, join=True)
     return [json.loads((out / f"ep_tp_rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -122,10 +130,43 @@ def _check_resume(results: list[dict], name: str) -> None:
     assert resumed["one_param_err"] < (0.15 if muon else 5e-3), (name, resumed)
 
 
-@pytest.mark.parametrize("name", ["ep2_vl_adamw", "ep2_moe_muon"])
+@pytest.mark.parametrize("name", ["ep2_vl_adamw", "ep2_moe_muon", "tp2_vl_muon"])
 def test_two_ranks_checkpoint_resumes_at_degree_one(world2, name):
     _check_resume(world2, name)
 
 
-def test_fsdp2_ep2_checkpoint_resumes_at_degree_one(world4):
-    _check_resume(world4, "fsdp2_ep2_vl")
+@pytest.mark.parametrize("name", ["ep4_moe", "fsdp2_ep2_vl", "tp2_fsdp2_qwen3"])
+def test_four_ranks_checkpoint_resumes_at_degree_one(world4, name):
+    _check_resume(world4, name)
+
+
+@pytest.mark.parametrize(
+    ("name", "degrees"),
+    [("ep4_moe", {"ep": 2, "tp": 1, "dp_shard": 2}),  # EP 4 -> 2 and FSDP 4 -> 2
+     ("tp2_fsdp2_qwen3", {"ep": 1, "tp": 1, "dp_shard": 2})],  # TP 2 x FSDP 2 -> FSDP 2
+)  # fmt: skip
+def test_four_rank_checkpoint_resumes_on_two_ranks(world4, name, degrees):
+    """The 4-rank layout's checkpoint, resumed by a new 2-rank group of the same spawn whose
+    ranks take two former DP ranks' packs each: the straight run's step-3 loss (fp32 summation
+    order of the other layout) and parameters."""
+    for rank in (0, 1):
+        assert "error" not in world4[rank][name], world4[rank][name]["error"]
+        r = world4[rank][name]["regrouped"]
+        assert "error" not in r, f"rank {rank}: {r['error']}"
+        assert {k: r[k] for k in degrees} == degrees
+        for got, ref in zip(r["losses"], r["straight"], strict=True):
+            assert abs(got - ref) <= 1e-5 * abs(ref), (name, r)
+        assert r["param_err"] < 5e-3, (name, r)
+    assert world4[0][name]["regrouped"]["losses"] == world4[1][name]["regrouped"]["losses"]
+
+
+@pytest.mark.parametrize(("world", "name"), [(2, "tp2_vl_muon"), (4, "fsdp2_ep2_vl")])
+def test_hf_export_of_a_parallel_run_loads_in_transformers(world2, world4, world, name):
+    """The trainer's export (rank 0 writes) loads with transformers' Auto class: every weight
+    is the run's own, bit for bit, and the logits equal exactly those of one process holding
+    the same weights in the same class (TP 2 on Qwen3-VL; FSDP 2 x EP 2 on Qwen3-VL-MoE)."""
+    r = (world2 if world == 2 else world4)[0][name]
+    assert "error" not in r, r["error"]
+    e = r["export"]
+    assert e["same_keys"], e
+    assert e["weights_err"] == 0.0 and e["logits_err"] == 0.0, e

@@ -98,12 +98,6 @@ def _build_mesh(cfg: TrainConfig, env: DistEnv) -> None:
         return
     from lmms_parallel import ParallelDims
 
-    t = cfg.trainer_args
-    if env.tp > 1 and (t.save_steps or t.resume_from):
-        raise ConfigError(
-            "trainer_args.tp_degree > 1: resuming tensor-parallel runs is not tested yet; set "
-            "save_steps: 0 and no resume_from (EP checkpoints resume, also at another degree)"
-        )
     dims = ParallelDims(dp_replicate=env.dp_replicate, dp_shard=-1, sp=env.sp, tp=env.tp, ep=env.ep)
     try:
         env.mesh = dims.build_mesh(env.device.type, world_size=env.world_size)

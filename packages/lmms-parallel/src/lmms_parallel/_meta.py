@@ -153,7 +153,9 @@ def load_full_state_dict(
     if rank0:
         if source is None:
             raise ValueError("rank 0 must pass the weights (a path or a state dict)")
-        full = source if isinstance(source, dict) else read_safetensors(source)
+        # a shallow copy: torch's set_model_state_dict writes the loaded (sharded) tensors back
+        # into the dict it is given, which would leave the caller's weights holding DTensors
+        full = dict(source) if isinstance(source, dict) else read_safetensors(source)
         if key_map is not None:
             mapped = {}
             for key, value in full.items():
@@ -167,7 +169,6 @@ def load_full_state_dict(
     from ._ep import ep_params, load_ep_params
 
     if ep_params(model):  # expert-parallel slices: broadcast whole, sliced per rank
-        full = dict(full)
         load_ep_params(model, full, strict=strict)
         if strict:  # the expert keys are loaded; rank 0 checks the rest and tells every rank
             box: list[Any] = [None]

@@ -390,8 +390,8 @@ class TrainerArgs:
         1,
         "Expert-parallel degree (MoE families): each group of this many data-parallel ranks "
         "splits the experts and exchanges tokens by all-to-all (dropless); must divide the "
-        "experts and `world / (dp_replicate * tp_degree)`. Checkpoints under EP are not "
-        "implemented yet (set `save_final: false`, `save_steps: 0`).",
+        "experts and `world / (dp_replicate * tp_degree)`. Checkpoints save and resume under "
+        "EP, also at another EP degree or world size (docs/parallel.md).",
     )
     experts_backend: str = _f(
         "grouped",
