@@ -57,6 +57,30 @@ def test_freeze_and_optimizers(tiny):
         p.requires_grad_(True)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "fla_gated_deltanet"])
+def test_muon_groups_of_linear_attention_families(family):
+    """Gated DeltaNet layers under Muon: projections take Muon, the depthwise short convolutions
+    (``[C, 1, K]`` taps), ``A_log`` and ``dt_bias`` AdamW; routed experts a stacked Muon group."""
+    from lmms_models import get_model_spec
+
+    spec = get_model_spec(family)
+    model = spec.build(config=spec.tiny_config(), device="meta")
+    t = _cfg(optimizer="muon").trainer_args
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {}
+    for g in build_optimizer(model, spec, t).param_groups:
+        key = "adamw" if not g["use_muon"] else "stacked" if g["stacked"] else "muon"
+        groups[key] = {names[id(p)] for p in g["params"]}
+    for part in ("conv1d.weight", "A_log", "dt_bias"):
+        assert {n for n in names.values() if part in n} <= groups["adamw"], part
+        assert not any(part in n for n in groups["muon"]), part
+    proj = "in_proj_qkv" if family == "qwen3_5_moe" else "attn.q_proj"
+    assert any(proj in n for n in groups["muon"])
+    assert ("stacked" in groups) == (family == "qwen3_5_moe")
+    if family == "qwen3_5_moe":
+        assert all("experts" in n for n in groups["stacked"])
+
+
 def test_optimizer_groups_over_master_weights(tiny):
     """With MasterWeights the model's names and modules still decide the groups (no decay on
     norms and biases; Muon off the embeddings and the head), and every stepped tensor is an fp32

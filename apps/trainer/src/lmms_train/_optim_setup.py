@@ -1,8 +1,9 @@
 """Optimizer and schedule from `trainer_args`: AdamW, or Muon for every family.
 
-Muon's parameter split is model-agnostic: it goes by the spec's hooks, not parameter names:
-2-D weights of the decoder and vision blocks take Muon; embeddings, the LM head, norms and
-biases take AdamW (their update geometry is not a matrix one).
+Muon's parameter split is model-agnostic: it goes by the spec's hooks and module types, not
+parameter names: 2-D weights of the decoder and vision blocks take Muon; embeddings, the LM head,
+norms, biases and the taps of grouped (depthwise) convolutions take AdamW (their update geometry
+is not a matrix one).
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ def _no_decay(name: str, p: torch.Tensor) -> bool:
     return p.ndim < 2 or name.endswith(".bias")
 
 
+def _grouped_convs(model: nn.Module) -> list[nn.Module]:
+    """Grouped convolutions (``groups > 1``; depthwise ones such as Gated DeltaNet's short
+    convolutions, ``[C, 1, K]``): each group's few taps are their own tiny matrix, so the
+    flattened ``[C, K]`` kernel is no matrix for Muon to orthogonalise."""
+    convs = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    return [m for m in model.modules() if isinstance(m, convs) and m.groups > 1]
+
+
 def build_optimizer(
     model: nn.Module, spec: Any, t: TrainerArgs, master: Any = None
 ) -> torch.optim.Optimizer:
@@ -38,7 +47,9 @@ def build_optimizer(
 def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.optim.Optimizer:
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     excluded = {  # Muon's exclusions, by the model's own modules
-        id(p) for m in [*spec.embeddings(model), spec.lm_head(model)] for p in m.parameters()
+        id(p)
+        for m in [*spec.embeddings(model), spec.lm_head(model), *_grouped_convs(model)]
+        for p in m.parameters()
     }
     takes_muon = [p.ndim >= 2 and id(p) not in excluded for p in params]
     # the model's names and modules decide the groups; the optimizer steps the masters, if any
