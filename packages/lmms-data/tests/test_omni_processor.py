@@ -51,7 +51,10 @@ def _upstream_positions(info, sample, use_audio_in_video):
     model = Qwen2_5OmniThinkerForConditionalGeneration(cfg)
     ids = torch.as_tensor(sample["input_ids"])[None]
     g = lambda k: torch.as_tensor(sample[k]) if k in sample else None  # noqa: E731
-    pos, _ = model.model.get_rope_index(
+    rope_index = (
+        getattr(model.model, "get_rope_index", None) or model.get_rope_index
+    )  # 5.17: thinker
+    pos, _ = rope_index(
         ids, g("image_grid_thw"), g("video_grid_thw"), torch.ones_like(ids), use_audio_in_video,
         g("audio_feature_lens"), g("second_per_grid_ts"),
     )  # fmt: skip
@@ -168,7 +171,10 @@ def test_qwen3_omni_moe_positions_and_tokens_equal_upstream(
     model = Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
     ids = torch.as_tensor(s["input_ids"])[None]
     g = lambda k: torch.as_tensor(s[k]) if k in s else None  # noqa: E731
-    pos, _ = model.model.get_rope_index(
+    rope_index = (
+        getattr(model.model, "get_rope_index", None) or model.get_rope_index
+    )  # 5.17: thinker
+    pos, _ = rope_index(
         ids, g("image_grid_thw"), g("video_grid_thw"), torch.ones_like(ids), use_audio_in_video,
         lens, g("second_per_grid_ts"),
     )  # fmt: skip

@@ -172,6 +172,27 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
         model_cls = getattr(transformers, self.model_class)
         return load_thinker(model_cls, folder, dtype="auto").state_dict()
 
+    @staticmethod
+    def thinker_holds_parts(model: nn.Module) -> bool:
+        """The thinker's layout of older transformers (5.17): towers, text model (``model``),
+        ``get_rope_index`` and the feature getters on the thinker itself, no base model between
+        (5.24 has ``model.model`` with ``audio_tower``, ``visual``, ``language_model``)."""
+        return not hasattr(model.model, "audio_tower")
+
+    def base_model(self, model: nn.Module) -> nn.Module:
+        """What holds the towers and upstream's helpers: ``model.model`` (or the thinker)."""
+        return model if self.thinker_holds_parts(model) else model.model
+
+    def text_model(self, model: nn.Module) -> nn.Module:
+        base = self.base_model(model)
+        return model.model if base is model else base.language_model
+
+    def forward_module(self, model: nn.Module) -> nn.Module:
+        """The base model; in the older layout the text model (the thinker's forward computes
+        the logits), fed the merged ``inputs_embeds`` (:meth:`merge_media` always merges
+        there)."""
+        return self.text_model(model) if self.thinker_holds_parts(model) else model.model
+
     def audio_tower(self, model: nn.Module) -> nn.Module:
         return self.base_model(model).audio_tower
 
@@ -216,6 +237,8 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
         out = super().merge_media(model, rest)  # images, videos (if any) -> inputs_embeds
         vision_ran = "inputs_embeds" in out
         if audio["input_features"] is None and not distributed:
+            if self.thinker_holds_parts(model):  # the text model is called: no media keys
+                return {k: v for k, v in out.items() if k != "mm_token_type_ids"}
             return out
         base = self.base_model(model)
         embeds = (
