@@ -95,3 +95,12 @@ def test_liger_matches_chunked_torch(dtype):
         out[backend] = (loss, n, *torch.autograd.grad(loss, (h, w)))
     for a, b in zip(out["liger"], out["torch"], strict=True):
         torch.testing.assert_close(a.float(), b.float(), **FLCE_TOL[dtype])
+    # rows= through Liger: the labelled rows only, and an empty set (falls back to "torch")
+    for rows in (lk.labelled_rows(y.cpu()).cuda(), torch.zeros(0, dtype=torch.long, device="cuda")):
+        loss, n = lk.fused_linear_cross_entropy(h, w, y, backend="liger", rows=rows)
+        gh, gw = torch.autograd.grad(loss, (h, w))
+        if rows.numel():
+            for a, b in zip((loss, n, gh, gw), out["torch"], strict=True):
+                torch.testing.assert_close(a.float(), b.float(), **FLCE_TOL[dtype])
+        else:
+            assert float(loss) == 0.0 and not gh.any() and not gw.any()
