@@ -24,7 +24,8 @@ STAGES=${STAGES/round2/r2tests r2vl16 r2vl32 r2muon r2text r2vl7b r2cold}
 for s in $STAGES; do
   case $s in
     r2tests) stage gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
-      packages/lmms-kernels/tests/test_flce_triton.py packages/lmms-kernels/tests/test_warmup.py \
+      packages/lmms-kernels/tests/test_flce.py packages/lmms-kernels/tests/test_flce_triton.py \
+      packages/lmms-kernels/tests/test_warmup.py \
       packages/lmms-optim/tests/test_lowp_adamw.py ;;
     # VL-3B 16k (targets: total MFU >= 55%, LM-only >= 44%); the first case carries the compile
     r2vl16) stage train_r2vl16 280 python3 benchmarks/train/bench_train.py $R2 --case-timeout 270 \
