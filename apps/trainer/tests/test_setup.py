@@ -81,6 +81,27 @@ def test_muon_groups_of_linear_attention_families(family):
         assert all("experts" in n for n in groups["stacked"])
 
 
+def test_muon_groups_of_bagel():
+    """BAGEL under Muon: both MoT expert sets' matrices take Muon; the other modalities' input
+    and output projections (``spec.muon_adamw_modules``), the embedding table and the head
+    AdamW (Muon on ``llm2vae`` / ``vae2llm`` made the tiny example's flow-matching loss diverge)."""
+    from lmms_models import get_model_spec
+
+    spec = get_model_spec("bagel")
+    model = spec.build(config=spec.tiny_config(), device="meta")
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = {}
+    for g in build_optimizer(model, spec, _cfg(optimizer="muon").trainer_args).param_groups:
+        groups["muon" if g["use_muon"] else "adamw"] = {names[id(p)] for p in g["params"]}
+    for part in ("vae2llm.weight", "llm2vae.weight", "time_embedder.mlp.0.weight",
+                 "connector.fc1.weight", "patch_embedding.weight", "embed_tokens", "lm_head"):  # fmt: skip
+        assert any(part in n for n in groups["adamw"]) and not any(
+            part in n for n in groups["muon"]
+        )
+    for part in ("mlp.gate_proj", "mlp_moe_gen.gate_proj", "q_proj_moe_gen", "encoder.layers.0"):
+        assert any(part in n for n in groups["muon"]), part
+
+
 def test_optimizer_groups_over_master_weights(tiny):
     """With MasterWeights the model's names and modules still decide the groups (no decay on
     norms and biases; Muon off the embeddings and the head), and every stepped tensor is an fp32

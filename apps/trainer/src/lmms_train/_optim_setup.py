@@ -48,7 +48,12 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     excluded = {  # Muon's exclusions, by the model's own modules
         id(p)
-        for m in [*spec.embeddings(model), spec.lm_head(model), *_grouped_convs(model)]
+        for m in [
+            *spec.embeddings(model),
+            spec.lm_head(model),
+            *_grouped_convs(model),
+            *getattr(spec, "muon_adamw_modules", lambda _: [])(model),
+        ]
         for p in m.parameters()
     }
     takes_muon = [p.ndim >= 2 and id(p) not in excluded for p in params]

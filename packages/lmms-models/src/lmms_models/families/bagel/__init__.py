@@ -345,6 +345,13 @@ class BagelSpec(ModelSpec):
     def lm_head(self, model: nn.Module) -> nn.Module:
         return model.language_model.lm_head
 
+    def muon_adamw_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Matrices lmms-train's Muon leaves to AdamW besides the embedding table and the LM
+        head: the other modalities' input and output projections (ViT patch embedding,
+        connector, ``vae2llm``, the time MLP, the velocity head ``llm2vae``)."""
+        return [model.vit_model.vision_model.embeddings, model.connector, model.vae2llm,
+                model.time_embedder, model.llm2vae]  # fmt: skip
+
     def install_sp(self, model: nn.Module, sp_group: Any) -> None:
         """Nothing to install: under Ulysses SP the objective passes its ``sp_group`` to
         :meth:`Bagel.hidden_states`, which slices the embedded row itself (``_sp.py``)."""
