@@ -20,6 +20,11 @@ from ._model import AeroConfig, AeroForConditionalGeneration
 __all__ = ["AERO_1_5B", "AeroConfig", "AeroForConditionalGeneration", "AeroSpec"]
 
 # Aero-1-Audio (1.5B): the Qwen2-Audio encoder (Whisper-large shape) and the Qwen2.5-1.5B decoder.
+# Sources, checked 2026-12 (no hub access here): the release's own config class
+# (EvolvingLMMs-Lab/lmms-engine, models/aero/configuration_aero.py: audio encoder 1280 wide,
+# 32 layers, 20 heads, 5120, 128 mel bins, 1500 positions; text config Qwen2.5-1.5B-Instruct's:
+# vocab 151936, hidden 1536, 8960, 28 layers, 12/2 heads, rope_theta 1e6, 32768 positions, tied
+# embeddings; audio_token_index 151648, its default). A real checkpoint's config.json wins.
 AERO_1_5B: dict[str, Any] = {
     "audio_config": {
         "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20,
@@ -32,7 +37,7 @@ AERO_1_5B: dict[str, Any] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
         "tie_word_embeddings": True, "use_cache": False,
     },
-    "audio_token_index": 151646,
+    "audio_token_index": 151648,
 }  # fmt: skip
 
 _TINY: dict[str, Any] = {

@@ -30,7 +30,14 @@ __all__ = ["QWEN2_5_OMNI_7B", "Qwen2_5OmniSpec"]
 
 _AUDIO_KEYS = ("input_features", "audio_feature_lens", "audio_frames")
 
-# Published Qwen2.5-Omni-7B thinker config values (random weights are used for benchmarks).
+# Qwen2.5-Omni-7B's thinker (random weights: benchmarks and GPU examples). Sources, checked
+# 2026-12 (no hub access here): text and audio values as the released config.json, quoted in
+# public test fixtures (rtp-llm's Qwen2.5-Omni tests: hidden 3584, 18944, 28 layers, 28/4 heads,
+# vocab 152064, rope_theta 1e6, audio 1280 wide, 32 layers, 20 heads, 5120, output 3584; vision
+# embed 1280, depth 32, 16 heads); the rest are transformers' Qwen2.5-Omni config defaults,
+# documented as Qwen/Qwen2.5-Omni-7B's (audio n_window 100; ViT 3420 wide, window 112, full
+# attention at 7/15/23/31, patch 14; mrope_section 16/24/24; token ids 151646-151656; 25
+# positions per second, 2 s chunks).
 QWEN2_5_OMNI_7B: dict[str, Any] = {
     "audio_config": {
         "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20,
@@ -57,7 +64,10 @@ QWEN2_5_OMNI_7B: dict[str, Any] = {
     "position_id_per_seconds": 25, "seconds_per_chunk": 2,
 }  # fmt: skip
 
-# Qwen2.5-Omni-3B thinker: the Qwen2.5-3B decoder shape with the same towers.
+# Qwen2.5-Omni-3B's thinker: the same towers projecting to 2048, the Qwen2.5-3B decoder shape
+# (vocab 151936, hidden 2048, 11008, 36 layers, 16/2 heads of 128, rope_theta 1e6, 32768
+# positions: the released config.json's text values as quoted in public ports, e.g. Tyr's
+# Qwen25Omni config). Not verified: whether its thinker ties the LM head (kept untied).
 QWEN2_5_OMNI_3B: dict[str, Any] = {
     **QWEN2_5_OMNI_7B,
     "audio_config": {**QWEN2_5_OMNI_7B["audio_config"], "output_dim": 2048},

@@ -43,6 +43,14 @@ _MODULE = "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe"
 
 #: Qwen3-Omni-30B-A3B's thinker shape (random weights: benchmarks and GPU examples): the
 #: Qwen3-VL-30B-A3B decoder and vision tower, a 32-layer 1280-wide audio encoder projecting to 2048.
+#: Sources, checked 2026-12 (no hub access here): the released thinker_config as quoted in public
+#: tests that mirror it (a Qwen3-Omni thinker-extraction tool's test: vocab 152064, hidden 2048,
+#: 48 layers, rope_theta 1e6, 65536 positions, mrope 24/20/20 interleaved, 128 experts; ViT depth
+#: 27, 1152 wide, deepstack 8/16/24, 768 px / 16 px patches -> 2304 positions, out 2048; token
+#: ids; 13 positions per second. NVIDIA's HF-to-Megatron Qwen3-Omni toy config keeps the released audio
+#: encoder: 1280 wide, 32 layers, 20 heads, 5120, n_window 50, n_window_infer 800, 480-channel
+#: downsampling, conv_chunksize 500, output 2048; 2 s chunks); 32/4 heads of 128, 8 of 128
+#: experts 768 wide: the Qwen3-30B-A3B decoder the release names (keras-hub's preset note).
 QWEN3_OMNI_30B_A3B: dict[str, Any] = {
     "text_config": {
         **QWEN3_VL_30B_A3B["text_config"], "vocab_size": 152064,
@@ -55,7 +63,7 @@ QWEN3_OMNI_30B_A3B: dict[str, Any] = {
         "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20,
         "encoder_ffn_dim": 5120, "num_mel_bins": 128, "max_source_positions": 1500,
         "n_window": 50, "n_window_infer": 800, "downsample_hidden_size": 480,
-        "output_dim": 2048,
+        "output_dim": 2048, "conv_chunksize": 500,
     },
     "audio_token_id": 151675, "image_token_id": 151655, "video_token_id": 151656,
     "audio_start_token_id": 151669, "audio_end_token_id": 151670,
