@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import harness
 
 VOCAB = 256
-VARIANTS = ("fp32", "bf16-moments-sr", "bf16-all-sr", "bf16-moments-nearest")
+VARIANTS = ("fp32", "bf16-moments-sr", "bf16-all-sr", "bf16-moments-nearest", "bf16-all-nearest")
+_PRETRAINED: dict[int, dict] = {}  # seed -> fp32 state after --pretrain-steps (fine-tune mode)
 
 
 def markov_chain(seed: int = 1234, fanout: int = 4) -> torch.Tensor:
@@ -92,9 +93,29 @@ def optimizer(name: str, params, lr: float, seed: int) -> torch.optim.Optimizer:
     return LowPrecisionAdamW(params, state_dtype=torch.bfloat16, rounding=rounding, seed=seed, **kw)
 
 
+def pretrained(seed: int, args) -> dict:
+    """Fine-tune mode: the fp32 model after `--pretrain-steps` of fp32 AdamW on the first chain
+    (the same starting point for every variant of a seed)."""
+    if seed not in _PRETRAINED:
+        model = build(seed, torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=False, weight_decay=0.01)
+        for x in batches(markov_chain(), seed, args.pretrain_steps, args.batch, args.seq):
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        _PRETRAINED[seed] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _PRETRAINED[seed]
+
+
 def run(name: str, seed: int, probs, args) -> list[float]:
-    model = build(seed, torch.bfloat16 if name == "bf16-all-sr" else torch.float32)
-    opt = optimizer(name, model.parameters(), args.lr, seed)
+    bf16_weights = name.startswith("bf16-all")
+    model = build(seed, torch.float32)
+    lr = args.lr
+    if args.pretrain_steps:
+        model.load_state_dict(pretrained(seed, args))
+        lr = args.finetune_lr
+    model = model.to(torch.bfloat16 if bf16_weights else torch.float32)
+    opt = optimizer(name, model.parameters(), lr, seed)
     losses = []
     for x in batches(probs, seed, args.steps, args.batch, args.seq):
         loss = model(input_ids=x, labels=x).loss
@@ -119,10 +140,19 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--window", type=int, default=25)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=0,
+        help="fine-tune mode: first this many fp32 steps on one chain (shared by the variants), "
+        "then --steps on another chain at --finetune-lr, where updates are far below a weight's "
+        "bf16 ulp (the regime of fine-tuning a pretrained model)",
+    )
+    p.add_argument("--finetune-lr", type=float, default=3e-5)
     p.add_argument("--write", action="store_true", help="write the section of RESULTS.md")
     args = p.parse_args()
     torch.set_num_threads(1)
-    probs = markov_chain()
+    probs = markov_chain(seed=4321) if args.pretrain_steps else markov_chain()
     floor = entropy_floor(probs)
     curves: dict[str, list[list[float]]] = {}
     t0 = time.perf_counter()
@@ -154,8 +184,16 @@ def main() -> None:
     body = (
         f"Small Qwen2-shaped LM (2 layers, hidden 64, vocab {VOCAB}, "
         f"{sum(p.numel() for p in build(0, torch.float32).parameters()):,} parameters), "
-        f"synthetic Markov-chain text (entropy floor {floor:.3f} nats), {args.steps} steps of "
-        f"{args.batch}x{args.seq} tokens, AdamW lr {args.lr}, betas (0.9, 0.999), weight decay "
+        f"synthetic Markov-chain text (entropy floor {floor:.3f} nats), "
+        + (
+            f"fine-tuning: {args.pretrain_steps} fp32 AdamW steps on another chain first (lr "
+            f"{args.lr}), then {args.steps} steps on this one at lr {args.finetune_lr} (updates "
+            "far below a weight's bf16 ulp); "
+            if args.pretrain_steps
+            else ""
+        )
+        + f"{args.steps} steps of {args.batch}x{args.seq} tokens, AdamW lr "
+        f"{args.finetune_lr if args.pretrain_steps else args.lr}, betas (0.9, 0.999), weight decay "
         f"0.01, clip 1.0, seeds {args.seeds} (initialisation and data order); one CPU thread.\n\n"
         "Mean training loss per window, over seeds; `fp32 spread` = max - min over seeds of the "
         "fp32 run (the run-to-run noise):\n\n"
@@ -171,8 +209,10 @@ def main() -> None:
         cmd = "uv run --all-packages python benchmarks/optim/bench_state_precision.py " + " ".join(
             sys.argv[1:]
         )
+        mode = "fine-tuning" if args.pretrain_steps else "from scratch"
         harness.write_section(
-            "lmms-optim: AdamW state precision, convergence (benchmarks/optim/bench_state_precision.py)",
+            f"lmms-optim: AdamW state precision, convergence {mode} "
+            "(benchmarks/optim/bench_state_precision.py)",
             body,
             command=cmd,
         )
