@@ -297,8 +297,8 @@ class TrainerArgs:
         "ignored (prompt, image and padding rows skipped: about half of a VL pack); the rows are "
         "found on the host from the pack's labels, so no device sync. Same loss and gradients as "
         "`all` up to the order of fp32 sums (tests). MFU then counts the head on those rows only "
-        "(`mfu`); `mfu_all_rows` keeps the every-row count. Causal LM without SP only (masked "
-        "diffusion and SP runs take every row).",
+        "(`mfu`); `mfu_all_rows` keeps the every-row count. Causal LM without SP or TP only "
+        "(masked diffusion, SP and TP runs take every row).",
     )
     gc_control: bool = _f(
         True,
