@@ -30,6 +30,8 @@ Backward per backend:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -125,19 +127,37 @@ def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, backend)
 
 
 def _recompute_bwd(name, dout, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """Gradients by re-running the backend's forward under autograd.
+    """Gradients by re-running the backend's forward under autograd."""
+
+    def forward(q, k, v):
+        return _A._IMPLS[name](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+
+    return tuple(grads_by_recompute(forward, dout, [q, k, v]))
+
+
+def grads_by_recompute(
+    fn: Callable[..., torch.Tensor], grad_out: torch.Tensor, inputs: list[torch.Tensor | None]
+) -> list[torch.Tensor]:
+    """``d fn(*inputs) / d inputs`` for ``grad_out``, from inside a custom op's backward kernel
+    (zeros for an unused input, an empty tensor for a None one).
 
     A custom op's kernel runs with the autograd dispatch keys excluded (it is "below" autograd),
     so ``enable_grad`` alone records nothing; the exclusion is lifted for this block only.
     """
     autograd_key = torch._C.DispatchKey.AutogradFunctionality
     with torch._C._SetExcludeDispatchKeyGuard(autograd_key, False), torch.enable_grad():
-        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-        o = _A._IMPLS[name](qg, kg, vg, cu_q, cu_k, max_q, max_k, causal, scale)
-        grads = torch.autograd.grad(o, (qg, kg, vg), dout, allow_unused=True)
-    return tuple(
-        torch.zeros_like(x) if g is None else g for g, x in zip(grads, (q, k, v), strict=True)
-    )
+        leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        wanted = [t for t in leaves if t is not None]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+    result = []
+    for t in leaves:
+        if t is None:
+            result.append(grad_out.new_empty(0))
+            continue
+        g = next(grads)
+        result.append(torch.zeros_like(t) if g is None else g)
+    return result
 
 
 # ---------------------------------------------------------------- FA4 (flash_attn.cute)

@@ -18,7 +18,7 @@ Ops (schemas below):
   ``delta_rule_varlen_backward(do, q, k, v, g, beta, ...same...) -> (dq, dk, dv, dg, dbeta)``.
 
 Both backward ops recompute the forward with autograd on and return ``torch.autograd.grad`` of it
-(as ``varlen_attn_backward`` does for backends without an exposed backward): correct for every
+(``varlen_attn_backward``'s helper for backends without an exposed backward): correct for every
 installed flash-linear-attention version, without calling its internal backward functions, at
 the price of one extra forward of the op per backward (the delta rule's kernels are a small part
 of a layer; the projections dominate).
@@ -26,11 +26,10 @@ of a layer; the projections dominate).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from . import _linear_attention as _L
+from ._attention_ops import grads_by_recompute
 
 __all__: list[str] = []
 
@@ -39,28 +38,6 @@ _RULE_ARGS = (
     "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu, float scale, "
     "bool qk_l2norm, int chunk_size, str backend"
 )
-
-
-def _grads_by_recompute(
-    fn: Any, grad_out: torch.Tensor, inputs: list[torch.Tensor | None]
-) -> list[torch.Tensor]:
-    """``d(fn(*inputs)) / d inputs`` for ``grad_out`` (zeros where unused; an empty tensor for a
-    None input). A custom op's kernel runs with the autograd dispatch keys excluded, so
-    ``enable_grad`` alone records nothing; the exclusion is lifted for this block only."""
-    autograd_key = torch._C.DispatchKey.AutogradFunctionality
-    with torch._C._SetExcludeDispatchKeyGuard(autograd_key, False), torch.enable_grad():
-        leaves = [None if t is None else t.detach().requires_grad_() for t in inputs]
-        out = fn(*leaves)
-        wanted = [t for t in leaves if t is not None]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-    result = []
-    for t in leaves:
-        if t is None:
-            result.append(grad_out.new_empty(0))
-            continue
-        g = next(grads)
-        result.append((torch.zeros_like(t) if g is None else g).contiguous())
-    return result
 
 
 # ---------------------------------------------------------------- short causal convolution
@@ -105,8 +82,7 @@ def conv1d_varlen_backward(dy, x, weight, bias, cu, activation, backend):
     def fn(x, weight, bias):
         return _L.causal_conv1d_varlen(x, weight, bias, cu, activation=activation, backend=backend)
 
-    dx, dw, db = _grads_by_recompute(fn, dy.contiguous(), [x, weight, bias])
-    return dx, dw, db
+    return tuple(g.contiguous() for g in grads_by_recompute(fn, dy.contiguous(), [x, weight, bias]))
 
 
 @conv1d_varlen_backward.register_fake
@@ -161,7 +137,9 @@ def delta_rule_varlen_backward(do, q, k, v, g, beta, cu, scale, qk_l2norm, chunk
             backend=backend,
         )  # fmt: skip
 
-    return tuple(_grads_by_recompute(fn, do.contiguous(), [q, k, v, g, beta]))
+    return tuple(
+        t.contiguous() for t in grads_by_recompute(fn, do.contiguous(), [q, k, v, g, beta])
+    )
 
 
 @delta_rule_varlen_backward.register_fake
