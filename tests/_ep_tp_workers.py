@@ -137,6 +137,7 @@ def _parallel_model(
     if tp > 1:
         spec.check_tp(model.config, tp)
         lp.apply_tp(spec.plan_root(model), spec.tp_plan, lp.tp_mesh(mesh))
+        lp.apply_tp(model, spec.tp_head_plan, lp.tp_mesh(mesh))  # vocab-parallel head and loss
     if ep > 1:
         em = lp.expert_meshes(mesh, ep)
         lp.apply_ep(spec.plan_root(model), spec.ep_plan, em.ep_group)
@@ -425,12 +426,55 @@ def muon_tp_exact(_out: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def vocab_parallel_ce(_out: Path) -> dict[str, Any]:
+    """The vocab-parallel head and loss on 2 ranks against the whole logits on one: loss and
+    gradients (hidden, weight rows, bias) == torch's cross-entropy in fp32 order; odd sizes,
+    ignored labels, labels on both ranks' rows, chunks smaller than T; a direct call of the
+    head returns the whole logits."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    gen = torch.Generator().manual_seed(11)
+    t, h, v = 37, 24, 50
+    hidden = torch.randn(t, h, generator=gen)
+    labels = torch.randint(0, v, (t,), generator=gen)
+    labels[::5] = -100
+    head = nn.Linear(h, v, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(v, h, generator=gen) * 2)  # confident logits
+        head.bias.copy_(torch.randn(v, generator=gen))
+    ref_h = hidden.clone().requires_grad_()
+    ref_w, ref_b = head.weight.detach().clone(), head.bias.detach().clone()
+    ref_w.requires_grad_()
+    ref_b.requires_grad_()
+    ref = F.cross_entropy(F.linear(ref_h, ref_w, ref_b), labels, reduction="sum")
+    (ref * 0.37).backward()
+    lp.apply_tp(nn.ModuleDict({"lm_head": head}), {"lm_head": "vocab_parallel"}, mesh)
+    whole = float((head(hidden) - F.linear(hidden, ref_w, ref_b)).abs().max())
+    got_h = hidden.clone().requires_grad_()
+    w, group, start = lp.vocab_parallel_shard(head.weight)
+    loss, n = lp.vocab_parallel_cross_entropy(
+        got_h, w, labels, group=group, start=start, bias=head.bias.to_local(), chunk=8
+    )
+    (loss * 0.37).backward()
+    rows = slice(start, start + w.shape[0])
+    return {
+        "loss": float(loss), "ref": float(ref), "n": int(n), "ref_n": int((labels >= 0).sum()),
+        "g_hidden": float((got_h.grad - ref_h.grad).abs().max()),
+        "g_weight": float((head.weight.grad.to_local() - ref_w.grad[rows]).abs().max()),
+        "g_bias": float((head.bias.grad.to_local() - ref_b.grad[rows]).abs().max()),
+        "whole_logits": whole,
+    }  # fmt: skip
+
+
 #: scenario -> run_case keyword arguments (None: a function of its own); ``ckpt``: save and
 #: resume (same layout, one process); ``export``: the HF export check; ``regroup``: the degrees a
 #: 2-rank stage resumes the 4-rank checkpoint at
 SCENARIOS: dict[str, dict[str, Any] | None] = {
     "ep_zero_tokens": None,
     "muon_tp_exact": None,
+    "vocab_parallel_ce": None,
     "ep2_vl_adamw": dict(name="qwen3_vl_moe", ep=2, ckpt=True),
     "ep2_moe_muon": dict(name="qwen3_moe", ep=2, opt_kind="muon", ckpt=True),
     "ep2_sp2_moe": dict(name="qwen3_moe", ep=2, sp=2),
@@ -442,7 +486,7 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
         name="qwen3", tp=2, ckpt=True, regroup=dict(tp=1)
     ),  # TP2xFSDP2 -> FSDP2
 }
-WORLD_2 = ["ep_zero_tokens", "muon_tp_exact", "ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe",
+WORLD_2 = ["ep_zero_tokens", "muon_tp_exact", "vocab_parallel_ce", "ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe",
            "ep2_qwen3_5_moe", "tp2_vl_muon"]  # fmt: skip
 WORLD_4 = ["ep4_moe", "fsdp2_ep2_vl", "tp2_fsdp2_qwen3"]
 

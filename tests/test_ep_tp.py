@@ -114,6 +114,18 @@ def test_muon_orthogonalises_tp_shards_as_whole_matrices(world2):
         assert r["shard_rows"] != r["full_rows"] or r["shard_cols"] != r["full_cols"]
 
 
+def test_vocab_parallel_loss_equals_the_whole_logits(world2):
+    """TP's LM head split over the vocabulary and its loss (never [T, vocab]) == torch's
+    cross-entropy on the whole logits, values and gradients, within fp32 summation order."""
+    for res in world2:
+        r = res["vocab_parallel_ce"]
+        assert "error" not in r, r
+        assert r["n"] == r["ref_n"]
+        assert abs(r["loss"] - r["ref"]) <= 1e-5 * abs(r["ref"]), r
+        for key in ("g_hidden", "g_weight", "g_bias", "whole_logits"):
+            assert r[key] < 1e-5, (key, r)
+
+
 def _check_resume(results: list[dict], name: str) -> None:
     """DCP save after step 2 of the parallel run; the same layout resumes to the straight run's
     step-3 loss and parameters, and one process (EP 1 / TP 1, no FSDP) resumes from the same

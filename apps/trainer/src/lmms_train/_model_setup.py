@@ -253,7 +253,7 @@ def build_model(
         handles.append(linear_patch_embed(spec.vision_tower(model)))
     if t.use_liger_kernel and getattr(spec, "supports_liger", True):
         handles.append(_apply_liger(model, spec, env))
-    units = _apply_plans(model, spec, env, t, hf_config, handles)  # TP/EP: before AC, compile
+    units = _apply_plans(model, spec, env, t, hf_config, handles, m.objective)  # TP/EP first
     if env.sp > 1:
         from lmms_parallel import UlyssesAttention, sp_group
 
@@ -319,12 +319,20 @@ def _place_frozen_encoders(model: nn.Module, spec: Any, env: DistEnv, t: Any) ->
 
 
 def _apply_plans(
-    model: nn.Module, spec: Any, env: DistEnv, t: Any, hf_config: Any, handles: list[Any]
+    model: nn.Module,
+    spec: Any,
+    env: DistEnv,
+    t: Any,
+    hf_config: Any,
+    handles: list[Any],
+    objective: str = "causal_lm",
 ) -> list[tuple[nn.Module, Any]]:
     """MoE families: the experts implementation (`experts_backend`) and the expert-load meter
     (metrics `moe/*`); then the spec's TP plan (`tp_degree`) or EP plan (`ep_degree`), applied by
-    lmms-parallel. Returns the FSDP2 units of the experts under EP (sharded over the ranks that
-    hold the same experts)."""
+    lmms-parallel; under TP with the `causal_lm` objective also the LM head's vocab-parallel
+    plan (its loss never gathers [T, vocab]; a head tied to the embeddings stays replicated).
+    Returns the FSDP2 units of the experts under EP (sharded over the ranks that hold the same
+    experts)."""
     if hasattr(spec, "set_experts"):
         from lmms_models import ExpertLoadMeter
 
@@ -341,6 +349,13 @@ def _apply_plans(
         except (ValueError, NotImplementedError) as exc:
             raise ConfigError(f"trainer_args.tp_degree: {exc}") from None
         apply_tp(spec.plan_root(model), spec.tp_plan, tp_mesh(env.mesh))
+        head = spec.lm_head(model)
+        tied = head.weight is spec.embeddings(model)[0].weight
+        if objective == "causal_lm" and spec.tp_head_plan and not tied:
+            try:
+                apply_tp(model, spec.tp_head_plan, tp_mesh(env.mesh))
+            except (ValueError, TypeError) as exc:  # e.g. a vocabulary tp does not divide
+                raise ConfigError(f"trainer_args.tp_degree: {exc}") from None
     if env.ep <= 1:
         return []
     if not spec.ep_plan:

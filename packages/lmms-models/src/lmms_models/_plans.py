@@ -2,17 +2,27 @@
 
 Patterns are relative to the text decoder (``spec.plan_root(model)``); styles are lmms-parallel's
 (``colwise``/``rowwise``: Megatron's attention and SwiGLU pairs; ``sum_grad``: Qwen3's per-head
-q/k norms, which see only the local heads). Norms, embeddings and the LM head stay replicated on
-the TP group (FSDP2 shards them over the data-parallel ranks), so the fused loss runs on the
-whole hidden state and never gathers ``[T, vocab]``. The expert-parallel plan of the MoE
-families is :data:`lmms_models.EXPERTS_EP_PLAN`.
+q/k norms, which see only the local heads). Norms and embeddings stay replicated on the TP group
+(FSDP2 shards them over the data-parallel ranks); the LM head is split over the vocabulary
+(:data:`LM_HEAD_TP_PLAN`) and the loss is the vocab-parallel cross-entropy
+(:func:`head_cross_entropy`), so ``[T, vocab]`` is never gathered. The expert-parallel plan of
+the MoE families is :data:`lmms_models.EXPERTS_EP_PLAN`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["QWEN2_TP_PLAN", "QWEN3_TP_PLAN", "check_tp_heads"]
+import torch
+from torch import nn
+
+__all__ = [
+    "LM_HEAD_TP_PLAN",
+    "QWEN2_TP_PLAN",
+    "QWEN3_TP_PLAN",
+    "check_tp_heads",
+    "head_cross_entropy",
+]
 
 #: Qwen2 / Qwen2.5 (and Qwen2.5-VL's text decoder): q/k/v with biases (sharded with the rows).
 QWEN2_TP_PLAN: dict[str, str] = {
@@ -42,3 +52,40 @@ def check_tp_heads(text_config: Any, tp: int) -> None:
             f"tp_degree {tp} must divide the attention heads ({heads}) and the KV heads ({kv}): "
             "each tensor-parallel rank takes whole heads"
         )
+
+
+#: The LM head under TP (relative to the whole model): rows split over the vocabulary, so the
+#: loss never gathers ``[T, vocab]`` (lmms_parallel's ``vocab_parallel`` style). Not applied to
+#: a head tied to the input embeddings (the embedding would be split too): that head stays
+#: replicated and the ordinary fused loss runs on it.
+LM_HEAD_TP_PLAN: dict[str, str] = {"lm_head": "vocab_parallel"}
+
+
+def head_cross_entropy(
+    hidden: torch.Tensor,  # [T, H]
+    head: nn.Module,
+    labels: torch.Tensor,  # [T] shifted labels
+    *,
+    backend: str = "auto",
+    rows: torch.Tensor | None = None,  # [T_l] int64: the labelled rows (optional)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_sum, n)`` of next-token cross-entropy through the LM head ``head``: the fused
+    linear cross-entropy of lmms-kernels, or, for a vocabulary-parallel head (TP), lmms-parallel's
+    vocab-parallel cross-entropy on this rank's vocabulary rows (same values; ``backend`` does
+    not apply there). ``rows``: as ``fused_linear_cross_entropy``'s."""
+    from lmms_parallel import vocab_parallel_shard
+
+    shard = vocab_parallel_shard(head.weight)
+    if shard is None:
+        from lmms_kernels import fused_linear_cross_entropy
+
+        return fused_linear_cross_entropy(
+            hidden, head.weight, labels, bias=head.bias, backend=backend, rows=rows
+        )
+    from lmms_parallel import vocab_parallel_cross_entropy
+
+    weight, group, start = shard
+    if rows is not None:  # the same rows on every TP rank (they read the same pack)
+        hidden, labels = hidden.index_select(0, rows), labels.reshape(-1)[rows]
+    bias = head.bias.to_local() if head.bias is not None else None
+    return vocab_parallel_cross_entropy(hidden, weight, labels, group=group, start=start, bias=bias)

@@ -86,6 +86,9 @@ class ModelSpec:
     #: Empty: the family does not support that kind of parallelism.
     tp_plan: dict[str, str] = {}  # noqa: RUF012
     ep_plan: dict[str, str] = {}  # noqa: RUF012
+    #: The LM head's TP plan, relative to the whole model (applied with ``tp_plan`` for the
+    #: next-token loss; lmms_models._plans.LM_HEAD_TP_PLAN). Empty: the head stays replicated.
+    tp_head_plan: dict[str, str] = {"lm_head": "vocab_parallel"}  # noqa: RUF012
 
     # ---------------------------------------------------------------- configs
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
@@ -219,6 +222,8 @@ class ModelSpec:
         """
         from lmms_kernels import fused_linear_cross_entropy
 
+        from ._plans import head_cross_entropy
+
         head = self.lm_head(model)
         dev = head.weight.device
         cu = batch["cu_seqlens"].to(dev, torch.int32, non_blocking=True)  # [n+1]
@@ -229,10 +234,9 @@ class ModelSpec:
         hidden, out = self.packed_hidden(model, batch)  # [T(/sp), H]
         extra = self.extra_loss(model, out, batch, sp_group=sp_group)  # per-token term or None
         if sp_group is None:  # `loss_rows` [T_l]: the LM head on the labelled rows only
-            loss_sum, n = fused_linear_cross_entropy(
-                hidden, head.weight, shift, bias=head.bias, backend=loss_backend,
-                rows=batch.get("loss_rows"),
-            )  # fmt: skip
+            loss_sum, n = head_cross_entropy(  # a vocab-parallel (TP) head: lmms-parallel's loss
+                hidden, head, shift, backend=loss_backend, rows=batch.get("loss_rows")
+            )
             return (loss_sum, n) if extra is None else (loss_sum + extra * n, n)
         from lmms_parallel import sp_reduce_loss, sp_shard_labels
 

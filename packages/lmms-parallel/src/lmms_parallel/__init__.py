@@ -34,6 +34,11 @@ from lmms_parallel._ulysses import (
 )
 from lmms_parallel._vision import VisionParticipation, ensure_vision_participation
 from lmms_parallel._vision_split import gather_rows, split_contiguous, split_imbalance
+from lmms_parallel._vocab_parallel import (
+    VocabParallelHead,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_shard,
+)
 
 __all__ = [
     "ACHandle",
@@ -46,6 +51,7 @@ __all__ = [
     "SumGradOverGroup",
     "UlyssesAttention",
     "VisionParticipation",
+    "VocabParallelHead",
     "all_to_all_heads_to_seq",
     "all_to_all_seq_to_heads",
     "apply_activation_checkpointing",
@@ -76,4 +82,6 @@ __all__ = [
     "split_contiguous",
     "split_imbalance",
     "tp_mesh",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_shard",
 ]

@@ -11,8 +11,10 @@ Patterns are ``fnmatch`` patterns over module names relative to the module the p
 looked up in a registry (:func:`register_style`): a new family adds a plan, a new *kind* of layer
 adds a style. Built in:
 
-* TP (on the ``tp`` mesh dim): ``colwise``, ``rowwise`` (torch DTensor, local outputs) and
-  ``sum_grad`` (replicated module on local activations: gradient summed over TP);
+* TP (on the ``tp`` mesh dim): ``colwise``, ``rowwise`` (torch DTensor, local outputs),
+  ``sum_grad`` (replicated module on local activations: gradient summed over TP) and
+  ``vocab_parallel`` (the LM head's rows split over TP; the loss reads the local rows:
+  :func:`lmms_parallel.vocab_parallel_cross_entropy`, never ``[T, vocab]``);
 * EP (on the EP group): ``experts`` (transformers' 3-D experts: local slice + all-to-all).
 
 Order (STYLE.md #3): TP/EP, then activation checkpointing, compile, FSDP2; from the meta device:
@@ -33,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._ep import ExpertParallel
 from ._tp import SumGradOverGroup, tp_style
+from ._vocab_parallel import VocabParallelHead
 
 __all__ = ["apply_ep", "apply_tp", "match_plan", "register_style", "registered_styles"]
 
@@ -63,6 +66,7 @@ def registered_styles(kind: str) -> list[str]:
 register_style("tp", "colwise")(lambda mesh: tp_style("colwise"))
 register_style("tp", "rowwise")(lambda mesh: tp_style("rowwise"))
 register_style("tp", "sum_grad")(lambda mesh: SumGradOverGroup(mesh.get_group()))
+register_style("tp", "vocab_parallel")(lambda mesh: VocabParallelHead(mesh))
 register_style("ep", "experts")(lambda group: ExpertParallel(group))
 
 

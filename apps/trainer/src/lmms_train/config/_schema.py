@@ -383,8 +383,10 @@ class TrainerArgs:
         1,
         "Tensor-parallel degree: the family's TP plan (attention and SwiGLU column/row-wise; "
         "Qwen2/2.5(-VL), Qwen3(-VL)) on this many neighbouring ranks, which read the same packs; "
-        "FSDP2 shards over the rest. Must divide the attention and KV heads; not together with "
-        "`sp_ulysses_degree` or `ep_degree` > 1.",
+        "FSDP2 shards over the rest. The LM head is split over the vocabulary and the loss is "
+        "vocab-parallel (never [T, vocab]; `causal_lm`, untied head). Must divide the attention "
+        "and KV heads and the vocabulary; not together with `sp_ulysses_degree` or `ep_degree` "
+        "> 1. Checkpoints resume, also at another degree.",
     )
     ep_degree: int = _f(
         1,
