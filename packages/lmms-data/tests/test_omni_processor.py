@@ -183,6 +183,11 @@ def test_qwen3_omni_moe_positions_and_tokens_equal_upstream(
     np.testing.assert_array_equal(s["position_ids"][0], np.arange(len(ids[0])))
     frac = s["position_ids"][1:] % 1
     assert (frac != 0).any() == (pps != 4)  # the fractional times are really there
+    text_only = p([{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                   {"role": "assistant", "content": [{"type": "text", "text": "A tone."}]}])  # fmt: skip
+    row = ld.collate_packed_batch([text_only, s])  # the packed batch keeps them, float32
+    assert row["position_ids"].dtype == torch.float32
+    np.testing.assert_array_equal(row["position_ids"][:, -len(ids[0]) :].numpy(), s["position_ids"])
     if use_audio_in_video:
         mine, theirs = _omni3_upstream_interleave(s, info, pps)
         assert mine == theirs
