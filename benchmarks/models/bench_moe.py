@@ -16,8 +16,10 @@ the full 48 do not fit), random weights, packed
 images, long-tailed text), router aux loss on, through the real CLI. Cases differ only in
 ``trainer_args.experts_backend`` (and the attention backend for the upstream rows). MFU is the
 trainer's: active parameters (``6 · lm_matmul_params`` with the top-k experts and the router) plus
-attention and the vision tower, against 989 TFLOP/s. Liger is not applied to this family (its
-patch table does not know Qwen3-VL-MoE); "upstream" rows use transformers' eager experts.
+attention and the vision tower, against 989 TFLOP/s. "upstream" rows use transformers' eager
+experts; ``*_liger`` rows add Liger's RMSNorm (lmms-kernels' Liger plan for qwen3_vl_moe; every
+layer is sparse, so there is no dense SwiGLU to swap). ``attn_backend: auto`` takes FA4 where
+flash_attn.cute imports (carry the bundle: ../shared/gpu/bundle.sh), torch's varlen otherwise.
 
     python benchmarks/models/bench_moe.py --kernel                  # ~1 min
     python benchmarks/models/bench_moe.py --layers 6 --T 16384      # ~10 min
@@ -46,8 +48,16 @@ KERNEL_IMPLS = ("eager", "grouped_mm", "batched_mm", "lmms_grouped", "lmms_loop"
 # name -> trainer_args differences (experts implementation; attention)
 CASES: dict[str, dict] = {
     "lmms_grouped": dict(experts_backend="grouped", attn_backend="auto"),
+    "lmms_grouped_liger": dict(
+        experts_backend="grouped", attn_backend="auto", use_liger_kernel=True
+    ),
     "hf_grouped_mm": dict(experts_backend="grouped_mm", attn_backend="auto"),
     "upstream_eager_experts": dict(experts_backend="eager", attn_backend="auto"),
+    # upstream's experts loop with FA4 (`auto` where the bundle is on the path) and Liger's
+    # RMSNorm: the "upstream + FA4 + Liger" baseline of issue 23
+    "upstream_eager_experts_liger": dict(
+        experts_backend="eager", attn_backend="auto", use_liger_kernel=True
+    ),
     "upstream_eager_experts_sdpa": dict(experts_backend="eager", attn_backend="sdpa"),
 }
 
