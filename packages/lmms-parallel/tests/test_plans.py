@@ -45,7 +45,7 @@ def test_match_plan_finds_every_layer_and_refuses_a_stray_pattern():
 
 
 def test_style_registry_lists_and_refuses_duplicates():
-    assert {"colwise", "rowwise", "sum_grad"} <= set(lp.registered_styles("tp"))
+    assert {"colwise", "rowwise", "sum_grad", "vocab_parallel"} <= set(lp.registered_styles("tp"))
     assert lp.registered_styles("ep") == ["experts"]
     with pytest.raises(ValueError, match="already registered"):
         lp.register_style("tp", "colwise")(lambda mesh: None)
@@ -53,6 +53,18 @@ def test_style_registry_lists_and_refuses_duplicates():
         lp.register_style("pp", "x")
     with pytest.raises(KeyError, match="registered: experts"):
         lp.apply_ep(_model(), {"layers.*.mlp.experts": "expert"}, group=None)
+
+
+def test_vocab_parallel_head_refuses_what_it_cannot_split():
+    class _Mesh:  # only the size is read before anything is split
+        def size(self) -> int:
+            return 3
+
+    with pytest.raises(ValueError, match=r"vocabulary \(10\) must divide by tp=3"):
+        lp.VocabParallelHead(_Mesh()).apply(nn.Linear(4, 10))
+    with pytest.raises(TypeError, match=r"an nn\.Linear"):
+        lp.VocabParallelHead(_Mesh()).apply(nn.Embedding(9, 4))
+    assert lp.vocab_parallel_shard(torch.zeros(9, 4)) is None  # a plain head: the fused loss
 
 
 def test_degrees_that_do_not_compose_raise_at_start_up():
