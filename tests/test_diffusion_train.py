@@ -194,7 +194,7 @@ def _bagel_args(tmp: Path, out: str, *extra: str) -> list[str]:
             "dataset_config.generate_synthetic.num_samples=64", "dataset_config.packing_length=256",
             f"model_config.processor_path={tmp / 'processor'}", f"trainer_args.output_dir={tmp / out}",
             "trainer_args.report_to=[]", "trainer_args.eval_steps=0", "trainer_args.ema_decay=0.9",
-            *extra]  # fmt: skip
+            "trainer_args.device=cpu", *extra]  # fmt: skip
 
 
 def _rows(run: Path) -> dict[int, dict]:
@@ -270,3 +270,20 @@ def test_bagel_fsdp_two_ranks_equal_one_process(bagel_straight: Path) -> None:
     for step in (1, 2):
         for key in ("loss", "ce", "fm"):
             assert got[step][key] == pytest.approx(want[step][key], rel=2e-5), (step, key)
+
+
+@pytest.mark.gpu
+def test_bagel_trains_on_the_gpu_like_on_the_cpu(bagel_straight: Path) -> None:
+    """The tiny example on CUDA (FlexAttention compiled over rows padded to packing_length, the
+    trainer's GPU path) follows the CPU run's losses over its 3 steps (fp32; kernels differ)."""
+    tmp = bagel_straight
+    train(load_config(EXAMPLES / "bagel" / "tiny_cpu.yaml", [
+        *_bagel_args(tmp, "gpu", "trainer_args.max_steps=3", "trainer_args.save_steps=0",
+                     "trainer_args.gradient_accumulation_steps=2", "dataset_config.num_workers=2",
+                     "trainer_args.export_hf=false"),
+        "trainer_args.device=cuda",
+    ]))  # fmt: skip
+    want, got = _rows(tmp / "straight"), _rows(tmp / "gpu")
+    for step in (1, 2, 3):
+        for key in ("loss", "ce", "fm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=5e-3), (step, key)
