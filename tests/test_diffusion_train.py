@@ -213,11 +213,13 @@ def bagel_straight(tmp_path_factory) -> Path:
     return tmp
 
 
-def test_bagel_resume_is_bitwise_with_ema_and_render_draws_png(bagel_straight: Path) -> None:
+def test_bagel_resume_is_bitwise_with_ema_and_render_draws_png(
+    bagel_straight: Path, capsys
+) -> None:
     """Save at step 1, resume to 3: losses, the separately logged `ce` / `fm` terms and the EMA
     weights equal the straight run's bit for bit (the data position, the per-record noise seeds
     and the EMA in the optimizer state all replay); `lmms-train render` draws one PNG tile per
-    prompt from the export."""
+    prompt from the export; `lmms-train check-data` reads the same records."""
     import numpy as np
     from PIL import Image
     from safetensors.torch import load_file
@@ -251,6 +253,12 @@ def test_bagel_resume_is_bitwise_with_ema_and_render_draws_png(bagel_straight: P
     img = Image.open(png)
     assert img.size == (2 * 32 * 4, 32 * 4)  # two 32 x 32 tiles, upscaled x4
     assert np.asarray(img).std() > 0  # not a blank canvas
+    capsys.readouterr()
+    args = _bagel_args(tmp, "unused")
+    assert main(["check-data", str(EXAMPLES / "bagel" / "tiny_cpu.yaml"), *args,
+                 "--num-records", "20"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "20 good, 0 bad" in out and "<|vision_start|>" in out, out
 
 
 @pytest.mark.multiprocess

@@ -172,7 +172,11 @@ def check_data(cfg: TrainConfig, num_records: int = 200) -> DataReport:
         raise UserError("check-data: --num-records must be >= 1")
     spec = resolve_spec(cfg)
     prepare_inputs(cfg, DistEnv(), spec)
-    dcfg = data_config(cfg, spec)
+    dcfg, finish = data_config(cfg, spec), None
+    if hasattr(spec, "finish_pack"):  # packed model-side (bagel): each sample packed alone
+        from lmms_train._data_setup import _model_side_packing
+
+        dcfg, finish = _model_side_packing(cfg, spec, dcfg, DistEnv())
     _check_inputs(cfg, spec, dcfg)
     dcfg = dataclasses.replace(dcfg, num_workers=0, shuffle=False, num_epochs=1,
                                bad_record_policy="skip", max_bad_record_ratio=1.0)  # fmt: skip
@@ -197,10 +201,14 @@ def check_data(cfg: TrainConfig, num_records: int = 200) -> DataReport:
     checking_len = dcfg.packing
     t0 = time.perf_counter()
     for batch in stream:
+        if finish is not None:
+            batch = finish(batch)
         ids, labels = (
             np.asarray(batch["input_ids"]).reshape(-1),
             np.asarray(batch["labels"]).reshape(-1),
         )
+        if finish is not None:  # its labels are next-token targets: mark the targets themselves
+            labels = np.concatenate([[-100], labels[:-1]])
         if checking_len and ids.size > dcfg.packing_length:
             report.bad["too_long"] = report.bad.get("too_long", 0) + 1
             report.examples.setdefault(
@@ -208,7 +216,9 @@ def check_data(cfg: TrainConfig, num_records: int = 200) -> DataReport:
             )
         else:
             report.lengths.append(int(ids.size))
-            report.supervised.append(int((labels != -100).sum()))
+            report.supervised.append(
+                int((labels != -100).sum()) + int(batch.get("num_fm_tokens", 0))
+            )  # + noised latent tokens (bagel's flow matching)
             report.media.update(rec.last)
             report.media_tokens.append(int(np.isin(ids, list(media_ids)).sum()) if media_ids else 0)
             if not report.sample:
