@@ -6,8 +6,8 @@ A *sample* is a list of parts, in order (the interleaved record after its proces
 | --- | --- | --- |
 | ``{"type": "text"}`` | ``ids`` (list[int]), ``loss`` (bool) | causal text tokens |
 | ``{"type": "vit"}`` | ``pixels [3, H, W]`` (H, W multiples of the ViT patch) | a ``full`` span |
-| ``{"type": "vae_gen"}`` | ``latents [C, h, w]`` (multiples of the latent patch) | a ``noise`` span, FM target |
-| ``{"type": "vae_cond"}`` | ``latents [C, h, w]`` | a clean ``full`` span (editing input) |
+| ``{"type": "vae_gen"}`` | ``latents [C, h, w]`` (multiples of the latent patch) or ``pixels`` | a ``noise`` span, FM target |
+| ``{"type": "vae_cond"}`` | ``latents [C, h, w]`` or ``pixels [3, H, W]`` | a clean ``full`` span (editing input) |
 
 Every image span is ``<start_of_image> tokens <end_of_image>``; the two markers are text tokens
 (understanding weights). All tokens of an image span share one RoPE position; text positions
@@ -15,8 +15,8 @@ count up from 0 in each sample. The label of position ``i`` is token ``i + 1`` w
 text of a ``loss`` part of the same sample (``-100`` otherwise: markers, images, sample ends).
 
 The generation noise of VAE image ``j`` of a sample comes from ``noise_seed = seed * 64 + j``
-(``seed``: the sample's own, e.g. its record position), so a sample draws the same noise packed
-or alone, on any rank, before and after a resume.
+(``seed``: the sample's own; through lmms-train a hash of its record reference), so a sample
+draws the same noise packed or alone, on any rank, before and after a resume.
 """
 
 from __future__ import annotations
