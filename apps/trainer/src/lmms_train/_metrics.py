@@ -77,7 +77,7 @@ class ConsoleSink:
     """A tqdm progress bar with the key metrics as postfix; plain lines if tqdm is missing or
     stderr is not a terminal (keeps logs readable under torchrun and in CI)."""
 
-    KEYS = ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu")
+    KEYS = ("loss", "ce", "fm", "lr", "grad_norm", "tokens_per_sec", "mfu")  # ce/fm: bagel's terms
 
     def __init__(self, total: int, initial: int = 0, every: int = 1) -> None:
         self.every = max(1, every)

@@ -10,12 +10,12 @@ from lmms_train._metrics import read_jsonl
 __all__ = ["plot_run"]
 
 _PANELS = (
-    ("loss", "loss", ("loss", "eval_loss")),
+    ("loss", "loss", ("loss", "eval_loss", "ce", "fm")),  # ce / fm: ce_flow_matching's terms
     ("lr", "learning rate", ("lr",)),
     ("grad_norm", "gradient norm", ("grad_norm",)),
     ("mfu", "MFU", ("mfu", "mfu_lm")),
     ("throughput", "tokens / s", ("tokens_per_sec",)),
-    ("loss_t", "loss per noise level (flow matching)", ("loss_t/*",)),
+    ("loss_t", "loss per noise level (flow matching)", ("loss_t/*", "fm_loss_t/*")),
 )
 _COLS = 3
 
