@@ -211,19 +211,19 @@ def gated_delta_rule_varlen(
     return _gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, chunk_size)
 
 
-def _chunk_layout(cu: torch.Tensor, total: int, chunk: int) -> tuple[torch.Tensor, list[bool], int]:
-    """Slot of every token when each segment starts on a chunk boundary, which chunks start a
-    segment, and the number of chunks. Reads the (small) ``cu_seqlens`` on the host."""
+def _chunk_layout(cu: torch.Tensor, total: int, chunk: int) -> tuple[torch.Tensor, list[int]]:
+    """Slot of every token when each segment starts on a chunk boundary, and each segment's
+    number of chunks (consecutive, in order). Reads the (small) ``cu_seqlens`` on the host."""
     bounds = [int(b) for b in cu.tolist()]
     if bounds[-1] != total:
         raise ValueError(f"cu_seqlens ends at {bounds[-1]}, the row has {total} tokens")
-    slots, starts, n_chunks = [], [], 0
+    slots, counts, n_chunks = [], [], 0
     for a, b in itertools.pairwise(bounds):
         n = -(-(b - a) // chunk)
         slots.append(torch.arange(b - a) + n_chunks * chunk)
-        starts += [True] + [False] * (n - 1) if n else []
+        counts.append(n)
         n_chunks += n
-    return torch.cat(slots), starts, n_chunks
+    return torch.cat(slots), counts
 
 
 def _gated_delta_rule_torch(
@@ -246,8 +246,9 @@ def _gated_delta_rule_torch(
     if qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * scale
-    slots, starts, n_chunks = _chunk_layout(cu, total, chunk)
+    slots, counts = _chunk_layout(cu, total, chunk)
     slots = slots.to(q.device)
+    n_chunks = sum(counts)
     n_slots = n_chunks * chunk
 
     def laid(t: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, N, C, ...]
@@ -272,15 +273,34 @@ def _gated_delta_rule_torch(
     q_read = q * gc.exp()[..., None]  # reads the state entering the chunk
     k_write = k * (gc[..., -1:] - gc).exp()[..., None]  # decayed to the chunk end
     chunk_decay = gc[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
-    state = q.new_zeros(heads, q.shape[-1], dv)  # [H, Dk, Dv]
-    outs = []
-    for n in range(n_chunks):
-        if starts[n]:
-            state = torch.zeros_like(state)  # a new segment: nothing carries over
-        v_new = u[:, n] - w[:, n] @ state  # [H, C, Dv]
-        outs.append(q_read[:, n] @ state + attn[:, n] @ v_new)
-        state = state * chunk_decay[:, n] + k_write[:, n].transpose(-1, -2) @ v_new
-    o = torch.stack(outs, 1).reshape(heads, n_slots, dv).transpose(0, 1)  # [N*C, H, Dv]
+    # The scan in waves: wave j carries the j-th chunk of every segment that long at once, the
+    # first from a zero state (nothing crosses a segment start), so a pack of many short samples
+    # takes as many steps as its longest sample has chunks. ``state``: [H, m, Dk, Dv] of the m
+    # segments of the current wave.
+    firsts = list(itertools.accumulate([0, *counts[:-1]]))
+    active = [i for i, n in enumerate(counts) if n]
+    state: torch.Tensor | None = None
+    order, outs = [], []
+    for j in itertools.count():
+        ids = torch.tensor([firsts[i] + j for i in active], device=q.device)
+        u_j, attn_j = u.index_select(1, ids), attn.index_select(1, ids)  # [H, m, C, ...]
+        if state is None:
+            v_new = u_j
+            outs.append(attn_j @ v_new)  # [H, m, C, Dv]
+        else:
+            v_new = u_j - w.index_select(1, ids) @ state
+            outs.append(q_read.index_select(1, ids) @ state + attn_j @ v_new)
+        order.append(ids)
+        still = [p for p, i in enumerate(active) if counts[i] > j + 1]
+        if not still:
+            break
+        state_end = k_write.index_select(1, ids).transpose(-1, -2) @ v_new  # [H, m, Dk, Dv]
+        if state is not None:
+            state_end = state_end + state * chunk_decay.index_select(1, ids)
+        state = state_end.index_select(1, torch.tensor(still, device=q.device))
+        active = [active[p] for p in still]
+    o = torch.cat(outs, 1).index_select(1, torch.argsort(torch.cat(order)))  # [H, N, C, Dv]
+    o = o.reshape(heads, n_slots, dv).transpose(0, 1)  # [N*C, H, Dv]
     return o.index_select(0, slots).to(out_dtype)  # [T, H, Dv]
 
 
