@@ -505,6 +505,21 @@ def test_full_omni_checkpoint_loads_the_thinker(name, tmp_path, capsys):
     assert "lmms-models" not in capsys.readouterr().err  # a thinker folder: nothing left out
     for k, v in again.state_dict().items():
         assert torch.equal(v, want[k]), k
+    # a run from the full folder: the export becomes the release's layout again (with the
+    # files the full model reads beside its weights: Qwen2.5-Omni's speaker table)
+    torch.save({"Chelsie": {"bos_token": 1}}, tmp_path / "full" / "spk_dict.pt")
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # "trained"
+    want = model.state_dict()
+    out = export_hf(model, tmp_path / "hf_full")
+    spec.finish_export(out, str(tmp_path / "full"))
+    back = type(full).from_pretrained(str(out), local_files_only=True)
+    for k, v in back.thinker.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    speech = {k: v for k, v in full.state_dict().items() if not k.startswith("thinker.")}
+    got = back.state_dict()
+    assert speech and all(torch.equal(got[k], v) for k, v in speech.items())
+    assert (out / "spk_dict.pt").is_file() and "lmms-models" in capsys.readouterr().err
     (tmp_path / "full" / "config.json").write_text('{"model_type": "qwen2"}')
     with pytest.raises(ValueError, match="model_type 'qwen2'"):
         spec.build(pretrained=str(tmp_path / "full"))

@@ -224,14 +224,19 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
         from lmms_train._data_setup import _processor_path
         from lmms_train._export import export_run
 
-        export_run(built.model, out / "hf", weights=built.state_module,
-                   processor_path=_processor_path(cfg), dtype=t.export_dtype)  # fmt: skip
+        source = cfg.model_config.load_from_pretrained_path
+        hf = export_run(built.model, out / "hf", weights=built.state_module,
+                        processor_path=_processor_path(cfg), dtype=t.export_dtype)  # fmt: skip
+        if hf is not None and hasattr(spec, "finish_export"):  # e.g. an Omni release's layout
+            spec.finish_export(hf, source)
         if t.ema_decay is not None:  # the EMA weights, same layout
             from lmms_train._ema import ema_weights
 
             with ema_weights(optimizer):
-                export_run(built.model, out / "hf_ema", weights=built.state_module,
-                           processor_path=_processor_path(cfg), dtype=t.export_dtype)  # fmt: skip
+                hf = export_run(built.model, out / "hf_ema", weights=built.state_module,
+                                processor_path=_processor_path(cfg), dtype=t.export_dtype)  # fmt: skip
+            if hf is not None and hasattr(spec, "finish_export"):
+                spec.finish_export(hf, source)
     if env.is_main:
         _plot_quietly(out)
         summary = end_summary(out=out, steps=state.step, max_steps=t.max_steps,

@@ -13,6 +13,8 @@ placeholder positions.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ from ..._registry import register_model
 from ..._spec import to_device
 from ..._vl import merge_tiny
 from ..qwen2_5_vl import Qwen2_5_VLSpec
-from ._checkpoint import load_thinker
+from ._checkpoint import is_full_omni, load_thinker, write_full_omni
 
 __all__ = ["QWEN2_5_OMNI_7B", "Qwen2_5OmniSpec"]
 
@@ -202,6 +204,21 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
         the logits), fed the merged ``inputs_embeds`` (:meth:`merge_media` always merges
         there)."""
         return self.text_model(model) if self.thinker_holds_parts(model) else model.model
+
+    def finish_export(self, out: str | Path, source: str | None) -> None:
+        """After the HF export of a run that started from a released full Omni folder: write
+        the release's layout back (the trained thinker, the source's talker and speech decoder,
+        :func:`write_full_omni`); a run from a config or a thinker folder keeps the thinker
+        alone."""
+        if source is None or not is_full_omni(source):
+            return
+        n = write_full_omni(out, source)
+        print(
+            f"[lmms-models] {out}: the full Omni layout of {source} (trained thinker, {n} talker "
+            "/ speech-decoder tensors copied unchanged)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def audio_tower(self, model: nn.Module) -> nn.Module:
         return self.base_model(model).audio_tower
