@@ -11,7 +11,7 @@ Two backends, one contract:
   per tap (a tap that would read across a segment start reads zero); the delta rule lays every
   segment out from a chunk boundary (zero padding to whole chunks: ``k = 0, beta = 0, g = 0``
   leaves the state as it was), solves all chunks' intra-chunk systems at once, and scans the
-  chunks with the state reset to zero at each segment's first chunk.
+  chunks of all segments together, each segment from a zero state.
 
 ``"auto"`` takes ``"fla"`` for CUDA tensors when flash-linear-attention imports, else ``"torch"``.
 
