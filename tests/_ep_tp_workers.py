@@ -124,7 +124,7 @@ def _reference(name, cfg, packs, opt_kind):
 
 
 def _parallel_model(
-    spec, cfg, mesh, *, tp: int, ep: int, weights, seed: int = 0, load: bool = True
+    spec, cfg, mesh, *, tp: int, ep: int, weights, seed: int = 0, load: bool = True, tp_sp=False
 ) -> nn.Module:
     """The trainer's order: meta build, TP/EP plans, FSDP2 (experts as their own units),
     materialise, rank 0's weights (``load=False``: a checkpoint brings them)."""
@@ -136,7 +136,8 @@ def _parallel_model(
     units = []
     if tp > 1:
         spec.check_tp(model.config, tp)
-        lp.apply_tp(spec.plan_root(model), spec.tp_plan, lp.tp_mesh(mesh))
+        plan = spec.tp_sp_plan if tp_sp else spec.tp_plan  # tp_sp: sequence-parallel norms
+        lp.apply_tp(spec.plan_root(model), plan, lp.tp_mesh(mesh))
         lp.apply_tp(model, spec.tp_head_plan, lp.tp_mesh(mesh))  # vocab-parallel head and loss
     if ep > 1:
         em = lp.expert_meshes(mesh, ep)
@@ -237,7 +238,7 @@ def _export_check(spec, cfg, model: nn.Module, final: dict, out: Path) -> dict[s
 
 def run_case(
     name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", images=True, ckpt_dir=None,
-    export_dir=None, regroup=None, scenario="",
+    export_dir=None, regroup=None, scenario="", tp_sp=False,
 ):  # fmt: skip
     """One layout against the 1-process reference on the same packs; with ``ckpt_dir``, also a
     DCP save at step CKPT_STEP resumed by the same layout and by one process (``regroup``: the
@@ -260,7 +261,7 @@ def run_case(
     ]  # dp rank d's pack of step s (odd dp ranks text-only: the tower runs a dummy there)
     weights = ref_model.state_dict() if rank == 0 else None
 
-    model = _parallel_model(spec, cfg, mesh, tp=tp, ep=ep, weights=weights)
+    model = _parallel_model(spec, cfg, mesh, tp=tp, ep=ep, weights=weights, tp_sp=tp_sp)
     group = lp.sp_group(mesh) if sp > 1 else None
     handles = _install(spec, model, group)
     dp_rank = lp.dp_mesh(mesh).get_local_rank()
@@ -284,7 +285,7 @@ def run_case(
     resumed: dict[str, Any] = {}
     t0 = time.perf_counter()
     if ckpt is not None:  # the same layout resumes at CKPT_STEP: the straight run's next steps
-        again = _parallel_model(spec, cfg, mesh, tp=tp, ep=ep, weights=weights, seed=1)
+        again = _parallel_model(spec, cfg, mesh, tp=tp, ep=ep, weights=weights, seed=1, tp_sp=tp_sp)
         handles += _install(spec, again, group)
         opt2 = _optimizer(spec, again, opt_kind)
         ckpt.load(model=again, optimizer=opt2)
@@ -479,15 +480,16 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
     "ep2_moe_muon": dict(name="qwen3_moe", ep=2, opt_kind="muon", ckpt=True),
     "ep2_sp2_moe": dict(name="qwen3_moe", ep=2, sp=2),
     "ep2_qwen3_5_moe": dict(name="qwen3_5_moe", ep=2),  # another family: the same plan, no code
+    "tp2_sp_qwen2_5_vl": dict(name="qwen2_5_vl", tp=2, tp_sp=True),  # SP norms, VL merge, odd T
     "tp2_vl_muon": dict(name="qwen3_vl", tp=2, opt_kind="muon", ckpt=True, export=True),
     "ep4_moe": dict(name="qwen3_moe", ep=4, ckpt=True, regroup=dict(ep=2)),  # EP 4->2, FSDP 4->2
     "fsdp2_ep2_vl": dict(name="qwen3_vl_moe", ep=2, ckpt=True, export=True),
     "tp2_fsdp2_qwen3": dict(
-        name="qwen3", tp=2, ckpt=True, regroup=dict(tp=1)
+        name="qwen3", tp=2, tp_sp=True, ckpt=True, regroup=dict(tp=1)
     ),  # TP2xFSDP2 -> FSDP2
 }
 WORLD_2 = ["ep_zero_tokens", "muon_tp_exact", "vocab_parallel_ce", "ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe",
-           "ep2_qwen3_5_moe", "tp2_vl_muon"]  # fmt: skip
+           "ep2_qwen3_5_moe", "tp2_vl_muon", "tp2_sp_qwen2_5_vl"]  # fmt: skip
 WORLD_4 = ["ep4_moe", "fsdp2_ep2_vl", "tp2_fsdp2_qwen3"]
 
 

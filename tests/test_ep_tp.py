@@ -5,6 +5,11 @@ EP 2 with Ulysses SP 2, TP 2, TP 2 x FSDP 2, with AdamW and Muon, three optimize
 Qwen3-MoE / Qwen3-VL-MoE (router aux loss on, a text-only rank next to image ranks) and Qwen3 /
 Qwen3-VL (TP), Qwen3.5-MoE (the same EP plan on another family); plus one experts module whose EP rank receives no token at all.
 
+TP runs split the LM head over the vocabulary (the loss never gathers [T, vocab]);
+``tp2_sp_qwen2_5_vl`` and ``tp2_fsdp2_qwen3`` also keep the residual stream split over the
+sequence (sequence-parallel norms; uneven token counts per rank; the vision merge before the
+split).
+
 Checkpoints (DCP, saved after step 2): every layout resumes bit for bit (EP 2, EP 4, FSDP 2 x
 EP 2, TP 2, TP 2 x FSDP 2) and one process resumes each to the same step-3 loss; the 4-rank
 checkpoints also resume on 2 ranks at other degrees (EP 4 -> 2 with FSDP 4 -> 2, TP 2 x FSDP 2
@@ -85,7 +90,14 @@ def _check(results: list[dict], name: str) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe", "ep2_qwen3_5_moe", "tp2_vl_muon"],
+    [
+        "ep2_vl_adamw",
+        "ep2_moe_muon",
+        "ep2_sp2_moe",
+        "ep2_qwen3_5_moe",
+        "tp2_vl_muon",
+        "tp2_sp_qwen2_5_vl",
+    ],
 )
 def test_two_ranks_match_one_process(world2, name):
     _check(world2, name)

@@ -348,7 +348,15 @@ def _apply_plans(
             spec.check_tp(hf_config, env.tp)
         except (ValueError, NotImplementedError) as exc:
             raise ConfigError(f"trainer_args.tp_degree: {exc}") from None
-        apply_tp(spec.plan_root(model), spec.tp_plan, tp_mesh(env.mesh))
+        plan = spec.tp_plan
+        if t.tp_sequence_parallel:
+            if not spec.tp_sp_plan:
+                raise ConfigError(
+                    f"trainer_args.tp_sequence_parallel: {spec.name} has no sequence-parallel TP "
+                    "plan (spec.tp_sp_plan); set it to false"
+                )
+            plan = spec.tp_sp_plan
+        apply_tp(spec.plan_root(model), plan, tp_mesh(env.mesh))
         head = spec.lm_head(model)
         tied = head.weight is spec.embeddings(model)[0].weight
         if objective == "causal_lm" and spec.tp_head_plan and not tied:

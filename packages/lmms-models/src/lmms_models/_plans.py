@@ -19,7 +19,9 @@ from torch import nn
 __all__ = [
     "LM_HEAD_TP_PLAN",
     "QWEN2_TP_PLAN",
+    "QWEN2_TP_SP_PLAN",
     "QWEN3_TP_PLAN",
+    "QWEN3_TP_SP_PLAN",
     "check_tp_heads",
     "head_cross_entropy",
 ]
@@ -41,6 +43,28 @@ QWEN3_TP_PLAN: dict[str, str] = {
     "layers.*.self_attn.q_norm": "sum_grad",
     "layers.*.self_attn.k_norm": "sum_grad",
 }
+
+
+def _sp(plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with sequence parallelism inside TP (Megatron SP, lmms_parallel._tp_sp): the
+    residual stream split over the sequence between sub-blocks, the norms on local tokens."""
+    return {
+        **plan,
+        "layers.*.self_attn.o_proj": "rowwise_sp",
+        "layers.*.mlp.down_proj": "rowwise_sp",
+        "layers.*.self_attn": "sp_gather_input",
+        "layers.*.mlp": "sp_gather_input",
+        "layers.*.input_layernorm": "sum_grad",
+        "layers.*.post_attention_layernorm": "sum_grad",
+        "layers.0": "sp_scatter_input",
+        "norm": "sp_gather_output",  # the loss sees the whole sequence
+    }
+
+
+#: ``trainer_args.tp_sequence_parallel``: the plans above with sequence-parallel norms. Not for
+#: Qwen3-VL, whose decoder adds deepstack features at full-sequence positions inside its layers.
+QWEN2_TP_SP_PLAN: dict[str, str] = _sp(QWEN2_TP_PLAN)
+QWEN3_TP_SP_PLAN: dict[str, str] = _sp(QWEN3_TP_PLAN)
 
 
 def check_tp_heads(text_config: Any, tp: int) -> None:

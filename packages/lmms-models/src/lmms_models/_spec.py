@@ -89,6 +89,9 @@ class ModelSpec:
     #: The LM head's TP plan, relative to the whole model (applied with ``tp_plan`` for the
     #: next-token loss; lmms_models._plans.LM_HEAD_TP_PLAN). Empty: the head stays replicated.
     tp_head_plan: dict[str, str] = {"lm_head": "vocab_parallel"}  # noqa: RUF012
+    #: ``tp_plan`` with sequence-parallel norms (``trainer_args.tp_sequence_parallel``; empty:
+    #: not supported by the family). lmms_models._plans.QWEN2_TP_SP_PLAN / QWEN3_TP_SP_PLAN.
+    tp_sp_plan: dict[str, str] = {}  # noqa: RUF012
 
     # ---------------------------------------------------------------- configs
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:

@@ -14,7 +14,9 @@ adds a style. Built in:
 * TP (on the ``tp`` mesh dim): ``colwise``, ``rowwise`` (torch DTensor, local outputs),
   ``sum_grad`` (replicated module on local activations: gradient summed over TP) and
   ``vocab_parallel`` (the LM head's rows split over TP; the loss reads the local rows:
-  :func:`lmms_parallel.vocab_parallel_cross_entropy`, never ``[T, vocab]``);
+  :func:`lmms_parallel.vocab_parallel_cross_entropy`, never ``[T, vocab]``), and for sequence
+  parallelism inside TP (``tp_sequence_parallel``, lmms_parallel._tp_sp) ``rowwise_sp``,
+  ``sp_scatter_input``, ``sp_gather_input``, ``sp_gather_output``;
 * EP (on the EP group): ``experts`` (transformers' 3-D experts: local slice + all-to-all).
 
 Order (STYLE.md #3): TP/EP, then activation checkpointing, compile, FSDP2; from the meta device:
@@ -35,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._ep import ExpertParallel
 from ._tp import SumGradOverGroup, tp_style
+from ._tp_sp import SeqGatherInput, SeqGatherOutput, SeqScatterInput, rowwise_sp_style
 from ._vocab_parallel import VocabParallelHead
 
 __all__ = ["apply_ep", "apply_tp", "match_plan", "register_style", "registered_styles"]
@@ -67,6 +70,10 @@ register_style("tp", "colwise")(lambda mesh: tp_style("colwise"))
 register_style("tp", "rowwise")(lambda mesh: tp_style("rowwise"))
 register_style("tp", "sum_grad")(lambda mesh: SumGradOverGroup(mesh.get_group()))
 register_style("tp", "vocab_parallel")(lambda mesh: VocabParallelHead(mesh))
+register_style("tp", "rowwise_sp")(lambda mesh: rowwise_sp_style())
+register_style("tp", "sp_scatter_input")(lambda mesh: SeqScatterInput(mesh.get_group()))
+register_style("tp", "sp_gather_input")(lambda mesh: SeqGatherInput(mesh.get_group()))
+register_style("tp", "sp_gather_output")(lambda mesh: SeqGatherOutput(mesh.get_group()))
 register_style("ep", "experts")(lambda group: ExpertParallel(group))
 
 

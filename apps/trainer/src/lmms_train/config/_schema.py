@@ -388,6 +388,13 @@ class TrainerArgs:
         "and KV heads and the vocabulary; not together with `sp_ulysses_degree` or `ep_degree` "
         "> 1. Checkpoints resume, also at another degree.",
     )
+    tp_sequence_parallel: bool = _f(
+        False,
+        "With `tp_degree` > 1: sequence-parallel norms (Megatron SP): between the attention and "
+        "MLP sub-blocks each TP rank holds its share of the tokens (norms and residuals on "
+        "T/tp tokens; all-gather before q/k/v and gate/up, reduce-scatter after o/down). "
+        "Families with `tp_sp_plan`: Qwen2/2.5, Qwen2.5-VL, Qwen3 (not Qwen3-VL: deepstack).",
+    )
     ep_degree: int = _f(
         1,
         "Expert-parallel degree (MoE families): each group of this many data-parallel ranks "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._plans import QWEN2_TP_PLAN
+from ..._plans import QWEN2_TP_PLAN, QWEN2_TP_SP_PLAN
 from ..._registry import register_model
 from ..._spec import ModelSpec
 
@@ -32,6 +32,7 @@ def tiny_text(**overrides: Any) -> dict[str, Any]:
 @register_model("qwen2")
 class Qwen2Spec(ModelSpec):
     tp_plan = QWEN2_TP_PLAN
+    tp_sp_plan = QWEN2_TP_SP_PLAN
     processor_family = "qwen2"
     config_class = "Qwen2Config"
     model_class = "Qwen2ForCausalLM"

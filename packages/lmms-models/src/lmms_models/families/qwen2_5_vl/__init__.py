@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ... import _flops
-from ..._plans import QWEN2_TP_PLAN
+from ..._plans import QWEN2_TP_PLAN, QWEN2_TP_SP_PLAN
 from ..._registry import register_model
 from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
 
@@ -125,6 +125,7 @@ def precomputed_vision_inputs(vision_config: Any, grid_thw: torch.Tensor) -> dic
 @register_model("qwen2_5_vl")
 class Qwen2_5_VLSpec(QwenVLSpec):
     tp_plan = QWEN2_TP_PLAN
+    tp_sp_plan = QWEN2_TP_SP_PLAN
     processor_family = "qwen2_5_vl"
     config_class = "Qwen2_5_VLConfig"
     model_class = "Qwen2_5_VLForConditionalGeneration"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ... import _flops
-from ..._plans import QWEN3_TP_PLAN
+from ..._plans import QWEN3_TP_PLAN, QWEN3_TP_SP_PLAN
 from ..._registry import register_model
 from ..._spec import ModelSpec
 from ..qwen2 import tiny_text
@@ -17,6 +17,7 @@ __all__ = ["Qwen3Spec"]
 @register_model("qwen3")
 class Qwen3Spec(ModelSpec):
     tp_plan = QWEN3_TP_PLAN
+    tp_sp_plan = QWEN3_TP_SP_PLAN
     processor_family = "qwen3"
     config_class = "Qwen3Config"
     model_class = "Qwen3ForCausalLM"
