@@ -142,6 +142,18 @@ def test_mixers_come_off_bit_for_bit():
     LinearMixerHandle(spec.linear_mixers(model)).remove()  # idempotent
 
 
+def test_sp_cover_adds_the_padding_segment_once_per_pack():
+    """Under SP the padding tail is a segment of its own; every layer of a pack gets the same
+    covered tensor (one host read per pack)."""
+    from lmms_models._linear_attention import _cover
+
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    assert torch.equal(_cover(cu, 12), torch.tensor([0, 5, 9, 12], dtype=torch.int32))
+    assert _cover(cu, 12) is _cover(cu, 12) and _cover(cu, 9) is cu
+    with pytest.raises(ValueError, match="ends at 9"):
+        _cover(cu, 8)
+
+
 def _params(module, skip=()):
     return sum(p.numel() for n, p in module.named_parameters() if not any(s in n for s in skip))
 

@@ -18,6 +18,7 @@ convolution (per channel, so per head) and the recurrence run on whole samples w
 
 from __future__ import annotations
 
+import collections
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,14 +93,27 @@ def _sp(settings: MixerSettings) -> tuple[Any, int, int]:
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
+#: (pack cu_seqlens, row length, its cover) of the last few packs: every linear layer of a
+#: forward (and its recompute) gets the same cover, read on the host once
+_COVERS: collections.deque[tuple[torch.Tensor, int, torch.Tensor]] = collections.deque(maxlen=4)
+
+
 def _cover(cu: torch.Tensor, total: int) -> torch.Tensor:
-    """``cu`` with the SP padding tail (tokens past ``cu[-1]``) as its own last segment."""
+    """``cu`` with the SP padding tail (tokens past ``cu[-1]``) as its own last segment; the same
+    tensor for the same ``cu`` (one host read per pack, and flash-linear-attention's identity
+    cache of chunk indices hits in every layer)."""
+    memo = not torch.compiler.is_compiling()
+    if memo:
+        for src, n, out in _COVERS:
+            if src is cu and n == total:
+                return out
     last = int(cu[-1])
-    if last == total:
-        return cu
     if last > total:
         raise ValueError(f"cu_seqlens ends at {last} but the row has {total} tokens")
-    return torch.cat([cu, cu.new_tensor([total])])
+    out = cu if last == total else torch.cat([cu, cu.new_tensor([total])])
+    if memo:
+        _COVERS.append((cu, total, out))
+    return out
 
 
 def _heads_in(group: Any, *xs: torch.Tensor) -> list[torch.Tensor]:
