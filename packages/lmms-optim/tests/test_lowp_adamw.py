@@ -7,6 +7,9 @@ import torch
 
 from lmms_optim import LowPrecisionAdamW, stochastic_round_
 
+pytest.importorskip("triton")
+from optim_scripts import run_script
+
 
 def _neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The bf16 values just below and above |x| in magnitude, with x's sign (toward and away
@@ -129,6 +132,24 @@ def test_clip_scale_and_grad_source():
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
 
 
+def test_triton_backend_under_interpreter():
+    """The one-kernel Triton backend (`lowp_triton_checks.py`, CPU under TRITON_INTERPRET=1):
+    fp32 state equals the torch backend, stochastic rounding tracks the bf16 second moment where
+    nearest stalls, a resume with bf16 weights is exact, the weights move as fp32 AdamW's."""
+    pytest.importorskip("triton")
+    from optim_scripts import run_script  # beside this file
+
+    assert run_script("lowp_triton_checks.py").stdout.strip().endswith("ok")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_triton_backend():
+    assert (
+        run_script("lowp_triton_checks.py", "cuda", interpret=False).stdout.strip().endswith("ok")
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_rounding_and_resume():
@@ -140,14 +161,14 @@ def test_gpu_rounding_and_resume():
     p = torch.nn.Parameter(torch.randn(4096, 1024, device="cuda").bfloat16())
     q = torch.nn.Parameter(p.detach().clone())
     grads = [torch.randn(4096, 1024, device="cuda") for _ in range(4)]
-    a, b = LowPrecisionAdamW([p], lr=1e-3, seed=1), None
+    a, b = LowPrecisionAdamW([p], lr=1e-3, seed=1, backend="torch"), None
     for i, g in enumerate(grads):
         if i == 2:
             saved = copy.deepcopy(a.state_dict())
             q.data.copy_(p.detach())
         p.grad = g.bfloat16()
         a.step()
-    b = LowPrecisionAdamW([q], lr=1e-3, seed=1)
+    b = LowPrecisionAdamW([q], lr=1e-3, seed=1, backend="torch")
     b.load_state_dict(saved)
     for g in grads[2:]:
         q.grad = g.bfloat16()

@@ -27,7 +27,11 @@ round identically; the same seed on another device type draws other integers.
 
 All arithmetic is fp32: each step reads the bf16 moments (and weights), updates them in fp32 like
 ``torch.optim.AdamW`` (decoupled weight decay, bias correction), and rounds the results back.
-Large parameters go in chunks of ``chunk_numel`` elements, which bounds the fp32 temporaries.
+Backends: ``"torch"`` (any device: large parameters go in chunks of ``chunk_numel`` elements,
+which bounds the fp32 temporaries; several passes per chunk) and ``"triton"`` (one kernel per
+parameter reading and writing each tensor once, Philox draws in the kernel: ``_lowp_triton``;
+CUDA, or CPU under ``TRITON_INTERPRET=1``); ``"auto"`` takes Triton on CUDA. The two draw from
+different generators: each is deterministic for a seed, they agree in distribution only.
 """
 
 from __future__ import annotations
@@ -97,11 +101,14 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         rounding: str = "stochastic",
         seed: int = 0,
         chunk_numel: int = 1 << 24,
+        backend: str = "auto",
     ) -> None:
         if state_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(
                 f"state_dtype must be torch.bfloat16 or torch.float32, got {state_dtype}"
             )
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
         if rounding not in ("stochastic", "nearest"):
             raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -113,7 +120,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                         f"LowPrecisionAdamW steps fp32 or bf16 parameters, got {p.dtype}"
                     )
         self.state_dtype, self.rounding, self.seed = state_dtype, rounding, seed
-        self.chunk_numel = chunk_numel
+        self.chunk_numel, self.backend = chunk_numel, backend
         self.clip_scale: torch.Tensor | None = None
         self._grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p.grad
 
@@ -162,6 +169,23 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
             gen.manual_seed(_seed(self.seed, *coords) % (1 << 63))
             stochastic_round_(out, x, gen)
 
+    def _use_triton(self, p: torch.Tensor) -> bool:
+        if self.backend == "torch":
+            return False
+        import os
+
+        usable = p.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            usable = False
+        if self.backend == "triton" and not usable:
+            raise RuntimeError(
+                "LowPrecisionAdamW backend='triton' needs triton and CUDA tensors (or "
+                "TRITON_INTERPRET=1 on CPU); use backend='torch'"
+            )
+        return usable and (self.backend == "triton" or p.is_cuda)
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -186,6 +210,16 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
                 state["step"] += 1
                 t = int(state["step"].item())  # a host counter (CPU tensor): no device read
+                if self._use_triton(p):
+                    from ._lowp_triton import lowp_adamw_triton_
+
+                    lowp_adamw_triton_(
+                        p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=lr,
+                        beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=t,
+                        seed=_seed(self.seed, t, index, 0, 0) % (1 << 31),
+                        stochastic=self.rounding == "stochastic", grad_scale=scale,
+                    )  # fmt: skip
+                    continue
                 bc1, bc2 = 1 - b1**t, 1 - b2**t
                 step_size, bc2_sqrt = lr / bc1, math.sqrt(bc2)
                 flat = (p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1),
