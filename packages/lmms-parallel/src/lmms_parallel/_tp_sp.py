@@ -96,11 +96,19 @@ class _Gather(torch.autograd.Function):
         return grad[:, lo:hi].contiguous(), None, None, None
 
 
-def _seq_len(x: torch.Tensor, group: Any) -> int:
-    """The whole sequence's length from the local chunks (one small all-reduce)."""
-    n = torch.tensor([x.shape[1]], dtype=torch.int64, device=x.device)
-    dist.all_reduce(n, group=group)
-    return int(n)
+#: the whole sequence's length per TP group, recorded by ``sp_scatter_input`` (a host int: the
+#: gathers need it for shapes and read no device value); the same pack's for the activation
+#: checkpointing recompute in backward
+_SEQ_LEN: dict[int, int] = {}
+
+
+def _seq_len(group: Any) -> int:
+    if id(group) not in _SEQ_LEN:
+        raise RuntimeError(
+            "sp_gather_input / sp_gather_output ran before sp_scatter_input: the TP sequence-"
+            "parallel plan needs 'sp_scatter_input' on the first decoder layer"
+        )
+    return _SEQ_LEN[id(group)]
 
 
 class _HiddenHook:
@@ -130,6 +138,7 @@ class SeqScatterInput(_HiddenHook):
     """``sp_scatter_input``: the module's ``hidden_states [1, T, H]`` -> this rank's rows."""
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
+        _SEQ_LEN[id(self.group)] = x.shape[1]
         return _Scatter.apply(x, self.group)
 
 
@@ -139,7 +148,7 @@ class SeqGatherInput(_HiddenHook):
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         # the column-wise layers' backward (DTensor, Replicate input) already sums their
         # partial input gradients over TP: every rank gets the whole gradient, keeps its rows
-        return _Gather.apply(x, self.group, _seq_len(x, self.group), False)
+        return _Gather.apply(x, self.group, _seq_len(self.group), False)
 
 
 class SeqGatherOutput:
@@ -159,7 +168,7 @@ class SeqGatherOutput:
             SumGradOverGroup(group).apply(module)
 
         def hook(_m: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
-            return _Gather.apply(out, group, _seq_len(out, group), False)
+            return _Gather.apply(out, group, _seq_len(group), False)
 
         module.register_forward_hook(hook)
         return module

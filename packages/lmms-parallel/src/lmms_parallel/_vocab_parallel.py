@@ -116,8 +116,8 @@ class _VocabParallelCE(torch.autograd.Function):
             sl = slice(lo, lo + ctx.chunk)
             logits = _logits(hidden[sl], weight, bias)  # [C, V/tp]
             p = (logits - lse[sl, None]).exp()  # softmax on my columns
-            rows = torch.nonzero(mine[sl])[:, 0]
-            p[rows, local[sl][rows]] -= 1.0
+            idx = local[sl].clamp(0, weight.shape[0] - 1)[:, None]  # no host read (no nonzero)
+            p.scatter_add_(1, idx, -mine[sl, None].to(p.dtype))  # minus the one-hot label
             p = p * (grad * valid[sl])[:, None]  # [C, V/tp] d loss / d logits
             g_hidden[sl] = (p.to(hidden.dtype) @ weight).to(hidden.dtype)
             g_weight += p.t() @ hidden[sl].float()
