@@ -270,6 +270,13 @@ def _compiled_matches_eager(name, device, linear_backend, compile_backend, ac):
             assert err < 1e-3, (k, err)
 
 
+def test_compiled_blocks_match_eager_on_cpu():
+    """CPU, the torch reference path: flash-linear-attention's Gated DeltaNet blocks under
+    ``torch.compile`` (aot_eager, dynamic shapes) inside full activation checkpointing compile
+    whole (no graph break) and equal eager (the GPU test runs Inductor on fla's kernels)."""
+    _compiled_matches_eager("fla_gated_deltanet", "cpu", "torch", "aot_eager", ac=True)
+
+
 # ---------------------------------------------------------------- GPU
 
 
