@@ -30,6 +30,8 @@ from ..qwen3_vl import Qwen3VLSpec
 
 __all__ = [
     "QWEN3_5_2B",
+    "QWEN3_5_TEXT_COMMON",
+    "QWEN3_5_VISION_COMMON",
     "Qwen3_5Spec",
     "hybrid_lm_matmul_params",
     "no_mask_preparation",
@@ -173,48 +175,57 @@ class HybridQwenMixin(LinearAttentionMixin):
         )
 
 
+#: What every released Qwen3.5(-MoE) config shares (text): the 248k vocabulary, softmax heads of
+#: 256, linear heads of 128 with 4-tap convolutions, interleaved mRoPE over a quarter of each head
+#: (theta 1e7), 262k positions; and the vision tower's patching (16 px, 2x2 merge, 2 frames).
+QWEN3_5_TEXT_COMMON: dict[str, Any] = {
+    "vocab_size": 248320,
+    "head_dim": 256,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    },
+    "use_cache": False,
+}
+QWEN3_5_VISION_COMMON: dict[str, Any] = {
+    "num_heads": 16,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 2304,
+}
+
 #: Qwen3.5-2B's shape (random weights; benchmarks and GPU examples), as its published config.json
 #: gives it (Qwen/Qwen3.5-2B; the values read from public copies of that file, no download): 24
-#: decoder layers, three Gated DeltaNet layers (16 key / 16 value heads of 128) to one gated
-#: softmax layer (8 heads of 256, 2 KV heads), width 2048, SwiGLU 6144, the 248k vocabulary (tied
-#: embeddings), interleaved mRoPE over a quarter of each head; the vision tower of the 2B and 4B
-#: checkpoints (24 layers of width 1024, MLP 4096, 16 heads, patch 16), merged into 2048.
-#: ~1.9B parameters in the decoder with its embedding.
+#: decoder layers, three Gated DeltaNet layers (16 key / 16 value heads) to one gated softmax
+#: layer (8 heads, 2 KV heads), width 2048, SwiGLU 6144, tied embeddings; the vision tower of the
+#: 2B and 4B checkpoints (24 layers of width 1024, MLP 4096) merged into 2048. ~1.9B parameters
+#: in the decoder with its embedding.
 QWEN3_5_2B: dict[str, Any] = {
     "text_config": {
-        "vocab_size": 248320,
+        **QWEN3_5_TEXT_COMMON,
         "hidden_size": 2048,
         "intermediate_size": 6144,
         "num_hidden_layers": 24,
         "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
         "num_attention_heads": 8,
         "num_key_value_heads": 2,
-        "head_dim": 256,
         "linear_num_key_heads": 16,
         "linear_num_value_heads": 16,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
-        "max_position_embeddings": 262144,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-        "use_cache": False,
     },
     "vision_config": {
+        **QWEN3_5_VISION_COMMON,
         "depth": 24,
         "hidden_size": 1024,
         "intermediate_size": 4096,
-        "num_heads": 16,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 2304,
         "out_hidden_size": 2048,
     },
     "tie_word_embeddings": True,

@@ -16,7 +16,13 @@ from typing import Any
 from ... import _flops
 from ..._moe import MoESpecMixin
 from ..._registry import register_model
-from ..qwen3_5 import HybridQwenMixin, hybrid_lm_matmul_params, tiny_qwen3_5
+from ..qwen3_5 import (
+    QWEN3_5_TEXT_COMMON,
+    QWEN3_5_VISION_COMMON,
+    HybridQwenMixin,
+    hybrid_lm_matmul_params,
+    tiny_qwen3_5,
+)
 from ..qwen3_vl import Qwen3VLSpec
 
 __all__ = ["QWEN3_5_35B_A3B", "Qwen3_5MoeSpec"]
@@ -36,49 +42,31 @@ _TINY_MOE: dict[str, Any] = {
 #: and transformers' ``Qwen3_5MoeTextConfig`` defaults, which document that checkpoint): 40
 #: decoder layers, three Gated DeltaNet layers (16 key / 32 value heads of 128) to one gated
 #: softmax layer (16 heads of 256, 2 KV heads), width 2048; every layer a sparse MLP of 256
-#: experts (8 routed per token, 512 wide) plus a gated shared expert (512); the 248k vocabulary
-#: (untied); the 27-layer vision tower (width 1152, MLP 4304, 16 heads, patch 16) merged into
-#: 2048. ~35B parameters, ~3B active per token (``lm_matmul_params``).
+#: experts (8 routed per token, 512 wide) plus a gated shared expert (512); untied embeddings;
+#: the 27-layer vision tower (width 1152, MLP 4304) merged into 2048. ~35B parameters, ~3B
+#: active per token (``lm_matmul_params``).
 QWEN3_5_35B_A3B: dict[str, Any] = {
     "text_config": {
-        "vocab_size": 248320,
+        **QWEN3_5_TEXT_COMMON,
         "hidden_size": 2048,
         "num_hidden_layers": 40,
         "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
         "num_attention_heads": 16,
         "num_key_value_heads": 2,
-        "head_dim": 256,
         "linear_num_key_heads": 16,
         "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
         "num_experts": 256,
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 512,
         "shared_expert_intermediate_size": 512,
         "output_router_logits": True,
         "router_aux_loss_coef": 0.001,
-        "max_position_embeddings": 262144,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-        "use_cache": False,
     },
     "vision_config": {
+        **QWEN3_5_VISION_COMMON,
         "depth": 27,
         "hidden_size": 1152,
         "intermediate_size": 4304,
-        "num_heads": 16,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 2304,
         "out_hidden_size": 2048,
     },
     "tie_word_embeddings": False,
