@@ -70,7 +70,7 @@ def _export_family(family: str, tmp_path):
     from lmms_train._data_setup import prepare_inputs
     from lmms_train._dist import DistEnv
     from lmms_train._export import auto_class_for, export_run
-    from lmms_train._model_setup import model_config_dict
+    from lmms_train._model_setup import model_config_dict, resolve_spec
 
     spec = get_model_spec(family)
     proc_dir = str(tmp_path / "processor")
@@ -84,6 +84,10 @@ def _export_family(family: str, tmp_path):
     out = export_run(
         model, tmp_path / "hf", weights=None, processor_path=proc_dir, dtype="bfloat16"
     )
+    folder = config_from_dict({"model_config": {"load_from_pretrained_path": str(out)},
+                               "dataset_config": {"dataset_path": str(tmp_path)}})  # fmt: skip
+    again = resolve_spec(folder)  # the export trains again with no model_type given
+    assert again.model_class == spec.model_class, (family, again.name)
     auto = auto_class_for(model.config, spec.model_class)
     assert auto is not None, f"no Auto class builds {spec.model_class}"
     loaded = auto.from_pretrained(str(out), dtype="auto")

@@ -76,6 +76,9 @@ def resolve_spec(cfg: TrainConfig) -> Any:
             if name in DLLM_LAYOUTS:  # a dLLM release in its family's layout (e.g. Dream: qwen2)
                 name = DLLM_LAYOUTS[name].family
     registered = list_models()
+    if name not in registered:  # a folder type a family loads (spec.folder_model_types)
+        owners = [n for n in registered if name in get_model_spec(n).folder_model_types]
+        name = owners[0] if len(owners) == 1 else name
     if name not in registered:
         raise ConfigError(
             f"model type {name!r} is not registered{suggest(name, registered)}; "

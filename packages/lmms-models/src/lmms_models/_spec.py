@@ -81,6 +81,10 @@ class ModelSpec:
     host_keys: tuple[str, ...] = ()
     mask_mapping: bool = False
     presets: dict[str, dict[str, Any]] = {}  # noqa: RUF012 (read-only class table)
+    #: ``model_type`` values of checkpoint folders (their config.json) that this family loads
+    #: besides its own name, e.g. flash-linear-attention's ``gated_deltanet`` or an Omni
+    #: ``*_thinker`` folder: the trainer resolves such a folder to this family.
+    folder_model_types: tuple[str, ...] = ()
     #: Parallel plans as data, ``{module pattern: style}`` relative to :meth:`plan_root`, applied
     #: by lmms_parallel's ``apply_tp`` / ``apply_ep`` (lmms_models._plans, EXPERTS_EP_PLAN).
     #: Empty: the family does not support that kind of parallelism.

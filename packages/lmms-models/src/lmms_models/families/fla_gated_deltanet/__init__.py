@@ -139,6 +139,7 @@ class FlaGatedDeltaNetSpec(FlaSpec):
     supports_liger = False
     config_class = "GatedDeltaNetConfig"
     model_class = "GatedDeltaNetForCausalLM"
+    folder_model_types = ("gated_deltanet",)  # the fla package's own config
     packed_mixer = staticmethod(fla_gdn_packed_mixer)
     presets = {  # noqa: RUF012 (read-only class table)
         # ~1.3B parameters (fla's 1.3B recipe shape: 24 layers, width 2048, 6 heads of 256 with

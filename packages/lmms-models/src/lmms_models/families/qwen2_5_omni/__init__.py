@@ -134,6 +134,7 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
     processor_family = "qwen2_5_omni"
     config_class = "Qwen2_5OmniThinkerConfig"
     model_class = "Qwen2_5OmniThinkerForConditionalGeneration"
+    folder_model_types = ("qwen2_5_omni_thinker",)  # a thinker-only folder (the export)
     media_keys = (*Qwen2_5_VLSpec.media_keys, *_AUDIO_KEYS)
     host_keys = (*Qwen2_5_VLSpec.host_keys, "audio_feature_lens", "audio_frames")
     presets = {"3b": QWEN2_5_OMNI_3B, "7b": QWEN2_5_OMNI_7B}  # noqa: RUF012

@@ -109,6 +109,7 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
     processor_family = "qwen3_omni_moe"
     config_class = "Qwen3OmniMoeThinkerConfig"
     model_class = "Qwen3OmniMoeThinkerForConditionalGeneration"
+    folder_model_types = ("qwen3_omni_moe_thinker",)  # a thinker-only folder (the export)
     aux_loss_module = "qwen3_omni_moe"
     mrope_rows_only = False  # [4, T]: the text model reads the text row itself
     #: Its decoder has no ``{layer type: mask}`` branch: the empty prepared mask of Qwen3-MoE.
