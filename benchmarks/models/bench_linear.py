@@ -18,11 +18,16 @@ block checkpointed, ``--steps`` timed steps:
   tokens through ``model(input_ids, attention_mask, labels)`` with transformers' SDPA attention
   and its own mixers (fla's kernels when installed, its torch convolution), summed gradients.
 
+* ``lmms_compiled`` (``--compile``): the lmms step with the decoder blocks compiled as
+  ``trainer_args.compile`` does (Inductor, dynamic shapes, after activation checkpointing; the
+  linear-attention ops are custom ops in the graphs), timed after the eager cases.
+
 MFU = lmms_models FLOPs (``spec.lm_flops``: 6N + softmax attention in the full layers + the
 chunked delta rule in the linear layers) / step time / 989 TFLOP/s (H100/H200 dense bf16).
 
     python benchmarks/models/bench_linear.py --ops            # ~1 min
     python benchmarks/models/bench_linear.py --tokens 16384    # ~5 min
+    python benchmarks/models/bench_linear.py --tokens 16384 --compile
     python benchmarks/models/bench_linear.py --tiny --cpu      # plumbing check on CPU
 """
 
@@ -148,11 +153,18 @@ def bench_model(args: argparse.Namespace, device: torch.device) -> list[dict[str
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def compiled_step():
+        if not hasattr(compiled_step, "handle"):  # compile once, after the eager cases
+            from lmms_kernels import compile_blocks
+
+            compiled_step.handle = compile_blocks(spec.decoder_blocks(model))
+        lmms_step()
+
+    cases = [("lmms", lmms_step, args.backend), ("upstream", upstream_step, "sdpa")]
+    if args.compile:
+        cases.append(("lmms_compiled", compiled_step, args.backend))
     rows = []
-    for name, fn, backend in (
-        ("lmms", lmms_step, args.backend),
-        ("upstream", upstream_step, "sdpa"),
-    ):
+    for name, fn, backend in cases:
         spec.set_attention(model, backend=backend)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -161,6 +173,11 @@ def bench_model(args: argparse.Namespace, device: torch.device) -> list[dict[str
         except torch.OutOfMemoryError:
             rows.append({"case": name, "tokens": n_tok, "error": "out of memory"})
             opt.zero_grad(set_to_none=True)
+            continue
+        except Exception as e:  # a failing compiled case still reports the eager ones
+            if name != "lmms_compiled":
+                raise
+            rows.append({"case": name, "tokens": n_tok, "error": f"{type(e).__name__}: {e}"[:500]})
             continue
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
         rows.append({"case": name, "tokens": n_tok, "samples": len(lens), "ms": ms,
@@ -204,6 +221,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="auto", help="lmms varlen attention backend")
     p.add_argument("--hf-micro-tokens", type=int, default=8192)
+    p.add_argument("--compile", action="store_true", help="also time the compiled lmms step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="append JSON lines here")
     args = p.parse_args()
