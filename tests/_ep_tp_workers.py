@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _tp_sp_deepstack import sp_deepstack_forms  # noqa: F401  (a scenario: run() finds it here)
 from torch import nn
 
 import lmms_parallel as lp
@@ -29,10 +30,14 @@ CKPT_STEP = 2  # scenarios with a checkpoint save after this step and resume fro
 CLIP = 1.0  # global-norm clipping (the tiny models' gradients exceed it at first)
 
 
-def _pack(spec, model, seed: int, image: bool, n: int = 3):
+def _pack(spec, model, seed: int, image: bool, n: int = 3, image_last: bool = False):
+    """``n`` samples, the first with a 4-token image (``image_last``: the last, with 16 image
+    tokens that straddle the middle of the pack: both halves hold some under TP 2 + SP)."""
     gen = torch.Generator().manual_seed(seed)
     ss = [SampleSpec(text=5 + (seed + i) % 7, prompt=1) for i in range(n)]
-    if image:
+    if image and image_last:
+        ss[-1] = SampleSpec(text=4, images=[(1, 8, 8)])
+    elif image:
         ss[0] = SampleSpec(text=4, images=[(1, 4, 4)])
     samples = [make_sample(spec, model.config, s, gen=gen) for s in ss]
     total = sum(s["input_ids"].numel() for s in samples)
@@ -238,7 +243,7 @@ def _export_check(spec, cfg, model: nn.Module, final: dict, out: Path) -> dict[s
 
 def run_case(
     name: str, *, tp=1, ep=1, sp=1, dp_shard=-1, opt_kind="adamw", images=True, ckpt_dir=None,
-    export_dir=None, regroup=None, scenario="", tp_sp=False,
+    export_dir=None, regroup=None, scenario="", tp_sp=False, image_last=False,
 ):  # fmt: skip
     """One layout against the 1-process reference on the same packs; with ``ckpt_dir``, also a
     DCP save at step CKPT_STEP resumed by the same layout and by one process (``regroup``: the
@@ -256,7 +261,10 @@ def run_case(
     ref_model = spec.build(config=cfg, attn_backend="varlen_sdpa")
     vl = images and spec.position_rows > 1
     packs = [
-        [_pack(spec, ref_model, 100 * s + d, vl and d % 2 == 0) for d in range(dp)]
+        [
+            _pack(spec, ref_model, 100 * s + d, vl and d % 2 == 0, image_last=image_last)
+            for d in range(dp)
+        ]
         for s in range(STEPS)
     ]  # dp rank d's pack of step s (odd dp ranks text-only: the tower runs a dummy there)
     weights = ref_model.state_dict() if rank == 0 else None
@@ -476,11 +484,14 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
     "ep_zero_tokens": None,
     "muon_tp_exact": None,
     "vocab_parallel_ce": None,
+    "sp_deepstack_forms": None,
     "ep2_vl_adamw": dict(name="qwen3_vl_moe", ep=2, ckpt=True),
     "ep2_moe_muon": dict(name="qwen3_moe", ep=2, opt_kind="muon", ckpt=True),
     "ep2_sp2_moe": dict(name="qwen3_moe", ep=2, sp=2),
     "ep2_qwen3_5_moe": dict(name="qwen3_5_moe", ep=2),  # another family: the same plan, no code
     "tp2_sp_qwen2_5_vl": dict(name="qwen2_5_vl", tp=2, tp_sp=True),  # SP norms, VL merge, odd T
+    # SP norms with deepstack: image tokens on both ranks' rows (sp_deepstack)
+    "tp2_sp_qwen3_vl": dict(name="qwen3_vl", tp=2, tp_sp=True, image_last=True),
     "tp2_vl_muon": dict(name="qwen3_vl", tp=2, opt_kind="muon", ckpt=True, export=True),
     "ep4_moe": dict(name="qwen3_moe", ep=4, ckpt=True, regroup=dict(ep=2)),  # EP 4->2, FSDP 4->2
     "fsdp2_ep2_vl": dict(name="qwen3_vl_moe", ep=2, ckpt=True, export=True),
@@ -488,8 +499,8 @@ SCENARIOS: dict[str, dict[str, Any] | None] = {
         name="qwen3", tp=2, tp_sp=True, ckpt=True, regroup=dict(tp=1)
     ),  # TP2xFSDP2 -> FSDP2
 }
-WORLD_2 = ["ep_zero_tokens", "muon_tp_exact", "vocab_parallel_ce", "ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe",
-           "ep2_qwen3_5_moe", "tp2_vl_muon", "tp2_sp_qwen2_5_vl"]  # fmt: skip
+WORLD_2 = ["ep_zero_tokens", "muon_tp_exact", "vocab_parallel_ce", "sp_deepstack_forms", "ep2_vl_adamw", "ep2_moe_muon", "ep2_sp2_moe",
+           "ep2_qwen3_5_moe", "tp2_vl_muon", "tp2_sp_qwen2_5_vl", "tp2_sp_qwen3_vl"]  # fmt: skip
 WORLD_4 = ["ep4_moe", "fsdp2_ep2_vl", "tp2_fsdp2_qwen3"]
 
 

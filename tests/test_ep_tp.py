@@ -97,6 +97,7 @@ def _check(results: list[dict], name: str) -> None:
         "ep2_qwen3_5_moe",
         "tp2_vl_muon",
         "tp2_sp_qwen2_5_vl",
+        "tp2_sp_qwen3_vl",
     ],
 )
 def test_two_ranks_match_one_process(world2, name):
@@ -124,6 +125,22 @@ def test_muon_orthogonalises_tp_shards_as_whole_matrices(world2):
         assert "error" not in r, r
         assert r["max_diff"] == 0.0, r  # bit-identical to NS of the whole matrix
         assert r["shard_rows"] != r["full_rows"] or r["shard_cols"] != r["full_cols"]
+
+
+def test_sp_deepstack_adds_each_ranks_rows_as_upstream_on_the_whole_row(world2):
+    """``sp_deepstack`` (TP + sequence-parallel norms, Qwen3-VL): each rank adds the deepstack
+    features of the visual positions inside its rows (19 / 18 of 37), given a boolean mask or
+    long positions (out of order, or all on rank 0's rows), == upstream's ``_deepstack_process``
+    on the whole row; gradients of the hidden states and the (TP-replicated) features whole on
+    every rank. Exact: one addition per visual row either way."""
+    for rank, res in enumerate(world2):
+        r = res["sp_deepstack_forms"]
+        assert "error" not in r, r
+        assert r["names"] == ["layers.0", ""], r
+        for case in ("mask", "positions", "positions_rank0"):
+            assert r[case]["rows"] == [1, 19 - rank, 8], (case, r)
+            for key in ("out", "g_hidden", "g_feats"):
+                assert r[case][key] == 0.0, (rank, case, key, r)
 
 
 def test_vocab_parallel_loss_equals_the_whole_logits(world2):

@@ -42,6 +42,9 @@ def test_match_plan_finds_every_layer_and_refuses_a_stray_pattern():
     ]
     with pytest.raises(ValueError, match="matches no module"):
         lp.match_plan(model, {"layers.*.self_attn.q_proj": "colwise"})
+    # "" names the root itself (e.g. sp_deepstack on the text decoder); "*" never matches it
+    hits = lp.match_plan(model, {"": "sp_deepstack", "*": "sum_grad"})
+    assert hits[0][:2] == ("", model) and all(n for n, _, _ in hits[1:])
 
 
 def test_style_registry_lists_and_refuses_duplicates():

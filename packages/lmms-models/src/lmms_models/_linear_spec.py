@@ -62,6 +62,9 @@ class LinearAttentionMixin:
     upstream_mixer: Callable[..., Any] | None = None
     #: linear-attention backend of newly installed mixers (``lmms_kernels.LINEAR_BACKENDS``)
     linear_backend: str = "auto"
+    #: no sequence-parallel TP plan: the SP plans gather the inputs of softmax attention and the
+    #: MLP only, a linear-attention mixer would see this rank's rows alone
+    tp_sp_plan: dict[str, str] = {}  # noqa: RUF012
 
     def linear_mixers(self, model: nn.Module) -> list[nn.Module]:
         """The decoder's linear-attention mixer modules, in layer order."""

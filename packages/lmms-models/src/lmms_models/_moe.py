@@ -44,6 +44,7 @@ class MoESpecMixin:
     aux_loss_module: str = ""
     ep_plan: dict[str, str] = EXPERTS_EP_PLAN
     tp_plan: dict[str, str] = {}  # noqa: RUF012  (sparse decoders scale with EP, not TP)
+    tp_sp_plan: dict[str, str] = {}  # noqa: RUF012
 
     # ---------------------------------------------------------------- router aux loss
     def router_aux_enabled(self, model: nn.Module) -> bool:

@@ -22,6 +22,7 @@ __all__ = [
     "QWEN2_TP_SP_PLAN",
     "QWEN3_TP_PLAN",
     "QWEN3_TP_SP_PLAN",
+    "QWEN3_VL_TP_SP_PLAN",
     "check_tp_heads",
     "head_cross_entropy",
 ]
@@ -61,10 +62,13 @@ def _sp(plan: dict[str, str]) -> dict[str, str]:
     }
 
 
-#: ``trainer_args.tp_sequence_parallel``: the plans above with sequence-parallel norms. Not for
-#: Qwen3-VL, whose decoder adds deepstack features at full-sequence positions inside its layers.
+#: ``trainer_args.tp_sequence_parallel``: the plans above with sequence-parallel norms.
 QWEN2_TP_SP_PLAN: dict[str, str] = _sp(QWEN2_TP_PLAN)
 QWEN3_TP_SP_PLAN: dict[str, str] = _sp(QWEN3_TP_PLAN)
+#: Qwen3-VL's text decoder adds deepstack features at the visual positions of the whole row after
+#: its first layers, where the residual stream is already split: ``sp_deepstack`` on the decoder
+#: itself (``""``) adds on each rank only the positions inside its rows (lmms_parallel._tp_sp).
+QWEN3_VL_TP_SP_PLAN: dict[str, str] = {**QWEN3_TP_SP_PLAN, "": "sp_deepstack"}
 
 
 def check_tp_heads(text_config: Any, tp: int) -> None:

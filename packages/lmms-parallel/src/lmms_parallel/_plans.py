@@ -7,7 +7,8 @@ A model spec states its plans (lmms-models: ``spec.tp_plan``, ``spec.ep_plan``),
     ep_plan = {"layers.*.mlp.experts": "experts"}
 
 Patterns are ``fnmatch`` patterns over module names relative to the module the plan is applied to
-(the text decoder for both plans above); every pattern must match at least one module. Styles are
+(the text decoder for both plans above); the empty pattern ``""`` names that module itself (its
+name in ``named_modules()``); every pattern must match at least one module. Styles are
 looked up in a registry (:func:`register_style`): a new family adds a plan, a new *kind* of layer
 adds a style. Built in:
 
@@ -16,7 +17,7 @@ adds a style. Built in:
   ``vocab_parallel`` (the LM head's rows split over TP; the loss reads the local rows:
   :func:`lmms_parallel.vocab_parallel_cross_entropy`, never ``[T, vocab]``), and for sequence
   parallelism inside TP (``tp_sequence_parallel``, lmms_parallel._tp_sp) ``rowwise_sp``,
-  ``sp_scatter_input``, ``sp_gather_input``, ``sp_gather_output``;
+  ``sp_scatter_input``, ``sp_gather_input``, ``sp_gather_output``, ``sp_deepstack``;
 * EP (on the EP group): ``experts`` (transformers' 3-D experts: local slice + all-to-all).
 
 Order (STYLE.md #3): TP/EP, then activation checkpointing, compile, FSDP2; from the meta device:
@@ -37,7 +38,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._ep import ExpertParallel
 from ._tp import SumGradOverGroup, tp_style
-from ._tp_sp import SeqGatherInput, SeqGatherOutput, SeqScatterInput, rowwise_sp_style
+from ._tp_sp import (
+    SeqGatherInput,
+    SeqGatherOutput,
+    SeqScatterInput,
+    SeqShardedDeepstack,
+    rowwise_sp_style,
+)
 from ._vocab_parallel import VocabParallelHead
 
 __all__ = ["apply_ep", "apply_tp", "match_plan", "register_style", "registered_styles"]
@@ -74,17 +81,18 @@ register_style("tp", "rowwise_sp")(lambda mesh: rowwise_sp_style())
 register_style("tp", "sp_scatter_input")(lambda mesh: SeqScatterInput(mesh.get_group()))
 register_style("tp", "sp_gather_input")(lambda mesh: SeqGatherInput(mesh.get_group()))
 register_style("tp", "sp_gather_output")(lambda mesh: SeqGatherOutput(mesh.get_group()))
+register_style("tp", "sp_deepstack")(lambda mesh: SeqShardedDeepstack(mesh.get_group()))
 register_style("ep", "experts")(lambda group: ExpertParallel(group))
 
 
 def match_plan(root: nn.Module, plan: Mapping[str, str]) -> list[tuple[str, nn.Module, str]]:
     """``(name, module, style)`` for every module of ``root`` a pattern matches (first pattern
-    wins). Raises if a pattern matches nothing (a plan written for another layout)."""
+    wins; ``""`` is ``root`` itself). Raises if a pattern matches nothing (a plan written for another layout)."""
     named = list(root.named_modules())
     out: list[tuple[str, nn.Module, str]] = []
     taken: set[str] = set()
     for pattern, style in plan.items():
-        hits = [(n, m) for n, m in named if n and fnmatch.fnmatchcase(n, pattern)]
+        hits = [(n, m) for n, m in named if (n or not pattern) and fnmatch.fnmatchcase(n, pattern)]
         if not hits:
             raise ValueError(
                 f"parallel plan pattern {pattern!r} matches no module of {type(root).__name__}"

@@ -393,7 +393,8 @@ class TrainerArgs:
         "With `tp_degree` > 1: sequence-parallel norms (Megatron SP): between the attention and "
         "MLP sub-blocks each TP rank holds its share of the tokens (norms and residuals on "
         "T/tp tokens; all-gather before q/k/v and gate/up, reduce-scatter after o/down). "
-        "Families with `tp_sp_plan`: Qwen2/2.5, Qwen2.5-VL, Qwen3 (not Qwen3-VL: deepstack).",
+        "Families with `tp_sp_plan`: Qwen2/2.5, Qwen2.5-VL, Qwen3, Qwen3-VL (deepstack added "
+        "on each rank's rows).",
     )
     ep_degree: int = _f(
         1,

@@ -18,7 +18,7 @@ from torch import nn
 
 from ... import _flops
 from ..._attention import forward_pre_hook
-from ..._plans import QWEN3_TP_PLAN
+from ..._plans import QWEN3_TP_PLAN, QWEN3_VL_TP_SP_PLAN
 from ..._registry import register_model
 from ..._spec import to_device
 from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
@@ -125,7 +125,9 @@ def deepstack_by_index(text_model: nn.Module) -> Iterator[None]:
     back): a ``nonzero`` whose size the host must read, forward and backward. Each visual
     position gets the same single addition (bit-identical); the backward is an
     ``index_select``. Boolean masks (upstream's own merge) still take upstream's path. Removed
-    on exit.
+    on exit. An adder already on the instance that takes positions too (lmms_parallel's
+    ``sp_deepstack`` TP style: the residual stream split over the sequence, each rank adding the
+    positions inside its rows) stays in place.
     """
     upstream = text_model._deepstack_process
 
@@ -160,14 +162,18 @@ def deepstack_by_index(text_model: nn.Module) -> Iterator[None]:
         return args, {**kwargs, "visual_pos_masks": where, "deepstack_visual_embeds": deep.feats}
 
     own = vars(text_model).get("_deepstack_process")  # an instance patch already there, if any
-    text_model._deepstack_process = process
+    keep = getattr(own, "takes_positions", False)  # e.g. lmms_parallel's sp_deepstack
+    if not keep:
+        text_model._deepstack_process = process
     first = text_model.register_forward_pre_hook(wrap, with_kwargs=True, prepend=True)
     try:
         with forward_pre_hook(text_model, unwrap):
             yield
     finally:
         first.remove()
-        if own is None:
+        if keep:
+            pass  # not ours to remove
+        elif own is None:
             del text_model._deepstack_process
         else:
             text_model._deepstack_process = own
@@ -176,6 +182,7 @@ def deepstack_by_index(text_model: nn.Module) -> Iterator[None]:
 @register_model("qwen3_vl")
 class Qwen3VLSpec(QwenVLSpec):
     tp_plan = QWEN3_TP_PLAN
+    tp_sp_plan = QWEN3_VL_TP_SP_PLAN  # + sp_deepstack: deepstack on each rank's rows
     processor_family = "qwen3_vl"
     config_class = "Qwen3VLConfig"
     model_class = "Qwen3VLForConditionalGeneration"
