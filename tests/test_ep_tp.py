@@ -6,9 +6,9 @@ Qwen3-MoE / Qwen3-VL-MoE (router aux loss on, a text-only rank next to image ran
 Qwen3-VL (TP), Qwen3.5-MoE (the same EP plan on another family); plus one experts module whose EP rank receives no token at all.
 
 TP runs split the LM head over the vocabulary (the loss never gathers [T, vocab]);
-``tp2_sp_qwen2_5_vl`` and ``tp2_fsdp2_qwen3`` also keep the residual stream split over the
-sequence (sequence-parallel norms; uneven token counts per rank; the vision merge before the
-split).
+``tp2_sp_qwen2_5_vl``, ``tp2_sp_qwen3_vl`` and ``tp2_fsdp2_qwen3`` also keep the residual
+stream split over the sequence (sequence-parallel norms; uneven token counts per rank; the
+vision merge before the split; Qwen3-VL's deepstack added on each rank's rows).
 
 Checkpoints (DCP, saved after step 2): every layout resumes bit for bit (EP 2, EP 4, FSDP 2 x
 EP 2, TP 2, TP 2 x FSDP 2) and one process resumes each to the same step-3 loss; the 4-rank
