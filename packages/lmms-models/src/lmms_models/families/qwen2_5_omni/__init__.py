@@ -135,6 +135,8 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
     config_class = "Qwen2_5OmniThinkerConfig"
     model_class = "Qwen2_5OmniThinkerForConditionalGeneration"
     folder_model_types = ("qwen2_5_omni_thinker",)  # a thinker-only folder (the export)
+    #: TMRoPE times kept fractional (float32 position rows) instead of integers
+    fractional_positions = False
     media_keys = (*Qwen2_5_VLSpec.media_keys, *_AUDIO_KEYS)
     host_keys = (*Qwen2_5_VLSpec.host_keys, "audio_feature_lens", "audio_frames")
     presets = {"3b": QWEN2_5_OMNI_3B, "7b": QWEN2_5_OMNI_7B}  # noqa: RUF012
@@ -239,15 +241,17 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
         self, model: nn.Module, input_ids: torch.Tensor, **media: Any
     ) -> torch.Tensor:
         """``[4, L]`` through upstream's ``get_rope_index`` (TMRoPE). ``media``: the grids,
-        ``audio_feature_lens``, ``second_per_grid_ts`` and ``use_audio_in_video``."""
+        ``audio_feature_lens``, ``second_per_grid_ts`` and ``use_audio_in_video``. Integer rows,
+        or float32 as computed where ``fractional_positions`` (nothing rounded)."""
         ids = input_ids.reshape(1, -1)  # [1, L]
         rows, _ = self.base_model(model).get_rope_index(
             ids, media.get("image_grid_thw"), media.get("video_grid_thw"),
             torch.ones_like(ids), bool(media.get("use_audio_in_video", False)),
             media.get("audio_feature_lens"), media.get("second_per_grid_ts"),
         )  # fmt: skip
-        text = torch.arange(ids.shape[1], device=ids.device)[None]
-        return torch.cat([text, rows[:, 0].to(text.dtype)], 0)  # [4, L]
+        dtype = torch.float32 if self.fractional_positions else torch.long
+        text = torch.arange(ids.shape[1], device=ids.device, dtype=dtype)[None]
+        return torch.cat([text, rows[:, 0].to(dtype)], 0)  # [4, L]
 
     def merge_media(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """Vision through the Qwen-VL host merge, then the audio tower's features at the audio

@@ -110,6 +110,9 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
     config_class = "Qwen3OmniMoeThinkerConfig"
     model_class = "Qwen3OmniMoeThinkerForConditionalGeneration"
     folder_model_types = ("qwen3_omni_moe_thinker",)  # a thinker-only folder (the export)
+    #: ``t · second_per_grid · position_id_per_seconds`` kept as upstream computes it (float32;
+    #: the rotary embedding takes float positions; lmms-data emits the same rows, tested equal)
+    fractional_positions = True
     aux_loss_module = "qwen3_omni_moe"
     mrope_rows_only = False  # [4, T]: the text model reads the text row itself
     #: Its decoder has no ``{layer type: mask}`` branch: the empty prepared mask of Qwen3-MoE.
@@ -134,22 +137,6 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
         if isinstance(overrides.get("audio_config"), dict):
             out["audio_config"] = {**out["audio_config"], **overrides["audio_config"]}
         return out
-
-    def sample_position_ids(
-        self, model: nn.Module, input_ids: torch.Tensor, **media: Any
-    ) -> torch.Tensor:
-        """``[4, L]`` float32 through upstream's ``get_rope_index``: Qwen3-Omni's TMRoPE times
-        are fractional (``t · second_per_grid · position_id_per_seconds``, kept as computed; the
-        rotary embedding takes float positions), so nothing is rounded (lmms-data's processor
-        emits the same float32 rows, tested equal)."""
-        ids = input_ids.reshape(1, -1)  # [1, L]
-        rows, _ = self.base_model(model).get_rope_index(
-            ids, media.get("image_grid_thw"), media.get("video_grid_thw"),
-            torch.ones_like(ids), bool(media.get("use_audio_in_video", False)),
-            media.get("audio_feature_lens"), media.get("second_per_grid_ts"),
-        )  # fmt: skip
-        text = torch.arange(ids.shape[1], device=ids.device, dtype=torch.float32)[None]
-        return torch.cat([text, rows[:, 0].float()], 0)  # [4, L]
 
     def audio_token_lengths(self, frames: torch.Tensor, audio_config: Any) -> torch.Tensor:
         """Text placeholders per clip of ``frames [n]`` mel frames."""
