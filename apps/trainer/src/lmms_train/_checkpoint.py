@@ -151,6 +151,7 @@ class RunCheckpointer:
         """Load `path` into the run; `differences`: the config keys that differ from the
         checkpoint's (named when the model does not fit it)."""
         check_fits(path, model, differences or [])
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         try:
             with self._quiet(env):
                 extra = self.ckpt.load(path, model=model, optimizer=optimizer)
@@ -159,7 +160,7 @@ class RunCheckpointer:
                 f"could not resume from {path}: {_root_cause(exc)} (an incomplete or corrupt "
                 "checkpoint: resume from another one)"
             ) from exc
-        scheduler.load_state_dict(extra["scheduler"])
+        _follow_config_schedule(optimizer, scheduler, fresh, extra["scheduler"]["last_epoch"])
         state.load_state_dict(extra["train_state"])
         if extra.get("dp_size") != env.dp_size:
             if env.is_main:
@@ -188,6 +189,25 @@ class RunCheckpointer:
         except (ValueError, KeyError) as exc:
             raise UserError(f"could not resume the data position from {path}: {exc}") from exc
         set_rng_state(extra["rng"])
+
+
+def _follow_config_schedule(
+    optimizer: torch.optim.Optimizer, scheduler: Any, fresh: list[dict[str, Any]], step: int
+) -> None:
+    """Resume the schedule at `step` as this run's config defines it: the optimizer's moments
+    come from the checkpoint, but its hyperparameters (peak LR, weight decay, betas...) and the
+    schedule (max_steps, warmup, kind, min_lr_ratio) are the config's, so a run resumed with a
+    longer `max_steps` or another schedule follows the new one from its first step (the saved
+    param groups' `lr` is the old schedule's value)."""
+    for group, hyper in zip(optimizer.param_groups, fresh, strict=True):
+        group.update(hyper)
+    scheduler.last_epoch = step
+    lrs = [
+        base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
 
 
 # dataset_config keys a saved data position does not depend on (the others change which records

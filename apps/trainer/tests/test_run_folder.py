@@ -1,0 +1,67 @@
+"""One run per output folder (issue 34): a fresh run into a used folder is refused unless
+`overwrite_output_dir`, pruning and `latest` stay inside the run's lineage, `metrics.jsonl`
+keeps its history across resumes, and a resumed run follows its own config's LR schedule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lmms_train import train
+from lmms_train._optim_setup import build_schedule
+from lmms_train.config import config_from_dict
+
+
+def _cfg(tmp_path, out: str, **trainer):
+    return config_from_dict({
+        "model_config": {
+            "load_from_config": {"model_type": "qwen2", "tiny": True},
+            "processor_path": str(tmp_path / "processor"),
+            "build_local_processor": True,
+        },
+        "dataset_config": {
+            "dataset_path": str(tmp_path / "data"),
+            "generate_synthetic": {"kind": "text", "num_samples": 96, "seed": 0},
+            "packing": True, "packing_length": 128, "num_workers": 0,
+        },
+        "trainer_args": {
+            "output_dir": str(tmp_path / out), "max_steps": 3, "learning_rate": 3e-3,
+            "bf16": False, "eval_steps": 0, "save_final": True, "report_to": [], "seed": 0,
+            **trainer,
+        },
+    })  # fmt: skip
+
+
+def _rows(tmp_path, out: str) -> list[dict]:
+    lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+def _expected_lrs(cfg, steps: int) -> list[float]:
+    """The LR a fresh run of `cfg` logs at steps 1..`steps`."""
+    import torch
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.trainer_args.learning_rate)
+    sched = build_schedule(opt, cfg.trainer_args)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def test_resume_follows_the_new_schedule(tmp_path):
+    """Run to step 3 of a 3-step cosine schedule, resume to 6 with another warmup, floor and
+    peak: every logged LR (old steps' history kept) is the new schedule's from step 4 on."""
+    kw = dict(lr_scheduler_type="cosine", warmup_steps=1, min_lr_ratio=0.0)
+    train(_cfg(tmp_path, "run", **kw))
+    new = _cfg(tmp_path, "run", max_steps=6, resume_from="latest", learning_rate=2e-3,
+               lr_scheduler_type="linear", warmup_steps=2, min_lr_ratio=0.1)  # fmt: skip
+    train(new)
+    rows = _rows(tmp_path, "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # the first 3 rows kept
+    old = _expected_lrs(_cfg(tmp_path, "run", **kw), 3)
+    assert [r["lr"] for r in rows[:3]] == pytest.approx(old)
+    assert [r["lr"] for r in rows[3:]] == pytest.approx(_expected_lrs(new, 6)[3:], rel=1e-12)
