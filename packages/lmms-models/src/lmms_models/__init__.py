@@ -9,6 +9,7 @@ sequence parallel. Adding a family is one folder under ``families/`` (docs/addin
 from ._attention import UPSTREAM_BACKENDS, set_attention, text_attention_kwargs
 from ._diffusion import DiffusionSpec, attach_encoder, get_encoder, place_encoders
 from ._flops import attention_flops
+from ._lora import LoraHandle, LoraOptions, apply_lora
 from ._moe import EXPERTS_EP_PLAN, ExpertLoadMeter, MoESpecMixin, expert_load_meter
 from ._patch_embed import PatchEmbedHandle, linear_patch_embed
 from ._registry import MODEL_REGISTRY, get_model_spec, list_models, register_model
@@ -24,12 +25,15 @@ __all__ = [
     "UPSTREAM_BACKENDS",
     "DiffusionSpec",
     "ExpertLoadMeter",
+    "LoraHandle",
+    "LoraOptions",
     "MoESpecMixin",
     "ModelSpec",
     "PatchEmbedHandle",
     "QwenVLSpec",
     "SplitVision",
     "VisionSplitPlan",
+    "apply_lora",
     "attach_encoder",
     "attention_flops",
     "expert_load_meter",

@@ -390,6 +390,13 @@ class ModelSpec:
         tower = self.vision_tower(model)
         return [] if tower is None else list(tower.blocks)
 
+    def towers(self, model: nn.Module) -> dict[str, nn.Module | None]:
+        """The model's towers by name, for per-tower choices (``model_config.lora.towers``):
+        ``decoder`` (:meth:`text_model`) and ``vision`` (:meth:`vision_tower`; None: none).
+        Audio families name their audio encoder ``audio``. Modules outside every tower (embeddings,
+        LM head, projectors) are not part of any."""
+        return {"decoder": self.text_model(model), "vision": self.vision_tower(model)}
+
     def vision_participation_outputs(self, model: nn.Module, out: Any) -> list[torch.Tensor] | None:
         """What a rank without media sums from the tower's output on the dummy input so that the
         same parameters get a gradient as on ranks with media (``outputs`` of

@@ -226,6 +226,9 @@ class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
     def audio_tower(self, model: nn.Module) -> nn.Module:
         return self.base_model(model).audio_tower
 
+    def towers(self, model: nn.Module) -> dict[str, nn.Module | None]:
+        return {**super().towers(model), "audio": self.audio_tower(model)}
+
     def vision_blocks(self, model: nn.Module) -> list[nn.Module]:
         """Both towers' blocks (FSDP2 units, activation checkpointing, compile)."""
         return [*super().vision_blocks(model), *self.audio_tower(model).layers]

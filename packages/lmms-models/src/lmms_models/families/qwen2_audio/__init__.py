@@ -99,6 +99,9 @@ class AudioLMSpec(ModelSpec):
     def vision_tower(self, model: nn.Module) -> nn.Module | None:
         return self.audio_tower(model)
 
+    def towers(self, model: nn.Module) -> dict[str, nn.Module | None]:
+        return {"decoder": self.text_model(model), "audio": self.audio_tower(model)}
+
     def vision_blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(self.audio_tower(model).layers)
 

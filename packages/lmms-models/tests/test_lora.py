@@ -1,0 +1,174 @@
+"""LoRA (peft's layers, lmms_models.apply_lora): packed == unpacked per sample (loss and adapter
+gradients), towers, the adapter-off base, device-independent initial adapters, and both exports
+(peft's adapter folder loaded by ``PeftModel.from_pretrained``; merged full weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmms_models import LoraOptions, apply_lora, get_model_spec
+from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
+
+pytest.importorskip("peft")
+
+
+def _samples(spec, model):
+    ss = [SampleSpec(text=12), SampleSpec(text=1, prompt=0), SampleSpec(text=7, prompt=3)]
+    if "pixel_values" in spec.media_keys:
+        ss += [
+            SampleSpec(text=6, images=[(1, 4, 4), (1, 2, 6)]),
+            SampleSpec(text=5, videos=[(2, 4, 4)]),
+        ]
+    gen = torch.Generator().manual_seed(1)
+    return [make_sample(spec, model.config, s, gen=gen) for s in ss]
+
+
+def _lora_model(name: str, opts: LoraOptions, attn: str = "varlen_sdpa"):
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    model = spec.build(config=spec.tiny_config(), attn_backend=attn)
+    handle = apply_lora(spec, model, opts, seed=3)
+    with torch.no_grad():  # B starts at zero (no gradient reaches A): give it values
+        g = torch.Generator().manual_seed(5)
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return spec, model, handle
+
+
+def _grads(model):
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3"])
+def test_lora_packed_matches_unpacked(name):
+    opts = LoraOptions(rank=4, alpha=8.0)
+    spec, model, handle = _lora_model(name, opts, attn="sdpa")
+    samples = _samples(spec, model)
+    ref, n_ref = reference_loss_sum(spec, model, samples)
+    ref.backward()
+    g_ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+    total = sum(s["input_ids"].numel() for s in samples)
+    batch = pack_samples(spec, model, samples, pad_to=total + 3)
+    spec.set_attention(model, backend="varlen_sdpa")
+    loss, count = spec.packed_forward(model, batch)
+    loss.backward()
+    g_packed = _grads(model)
+    assert int(count) == n_ref
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    # only the adapters train; every adapter got a gradient, the same as the per-sample reference
+    assert set(g_packed) == set(g_ref)
+    assert all(".lora_" in k for k in g_packed)
+    assert len(g_packed) == 2 * len(handle.targets)
+    for k in g_ref:
+        assert g_ref[k].abs().sum() > 0, k
+        torch.testing.assert_close(g_packed[k], g_ref[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_lora_towers_and_targets():
+    spec = get_model_spec("qwen2_5_vl")
+    torch.manual_seed(0)
+    model = spec.build(config=spec.tiny_config())
+    vision = {id(p) for p in spec.vision_tower(model).parameters()}
+    h = apply_lora(spec, model, LoraOptions(rank=2, target_modules=["q_proj", "v_proj"]))
+    assert h.targets and all(t.endswith(("q_proj", "v_proj")) for t in h.targets)
+    assert all(t.startswith("model.language_model.") for t in h.targets)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+
+    torch.manual_seed(0)
+    model = spec.build(config=spec.tiny_config())
+    h = apply_lora(
+        spec,
+        model,
+        LoraOptions(rank=2, towers={"decoder": "lora", "vision": "full"}, train=["lm_head"]),
+    )
+    vision = spec.vision_tower(model)
+    assert all(p.requires_grad for p in vision.parameters())
+    assert spec.lm_head(model).weight.requires_grad
+    assert not spec.embeddings(model)[0].weight.requires_grad
+    assert not any(t.startswith("model.visual") for t in h.targets)
+
+    torch.manual_seed(0)
+    model = spec.build(config=spec.tiny_config())
+    h = apply_lora(spec, model, LoraOptions(rank=2, towers={"vision": "lora", "decoder": "frozen"}))
+    assert h.targets and all(t.startswith("model.visual.") for t in h.targets)
+    with pytest.raises(ValueError, match="no audio tower"):
+        apply_lora(
+            spec, spec.build(config=spec.tiny_config()), LoraOptions(towers={"audio": "lora"})
+        )
+    with pytest.raises(ValueError, match="matches no linear"):
+        apply_lora(
+            spec, spec.build(config=spec.tiny_config()), LoraOptions(target_modules=["nope"])
+        )
+
+
+def test_lora_off_is_the_base_and_init_is_device_independent():
+    spec = get_model_spec("qwen3")
+    torch.manual_seed(0)
+    base = spec.build(config=spec.tiny_config())
+    ids = torch.randint(0, 500, (1, 9))
+    ref = base(input_ids=ids).logits
+    base_sd = {k: v.clone() for k, v in base.state_dict().items()}
+    handle = apply_lora(spec, base, LoraOptions(rank=4), seed=7)
+    torch.testing.assert_close(base(input_ids=ids).logits, ref, rtol=0, atol=0)  # B = 0
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if ".lora_B." in n:
+                p.fill_(0.1)
+    assert not torch.equal(base(input_ids=ids).logits, ref)
+    with handle.disabled():
+        torch.testing.assert_close(base(input_ids=ids).logits, ref, rtol=0, atol=0)
+    # a meta-device build gets the same adapters through adapted_state (the FSDP2 path)
+    from lmms_parallel import meta_init
+
+    with meta_init():
+        meta = spec.build(config=spec.tiny_config(), device="meta")
+    mh = apply_lora(spec, meta, LoraOptions(rank=4), seed=7)
+    state = mh.adapted_state(base_sd, seed=7)
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(state, strict=True)
+    fresh = spec.build(config=spec.tiny_config())
+    fresh.load_state_dict(base_sd)
+    apply_lora(spec, fresh, LoraOptions(rank=4), seed=7)
+    for (k, a), (k2, b) in zip(fresh.state_dict().items(), meta.state_dict().items(), strict=True):
+        assert k == k2
+        if "rotary" not in k:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+
+
+def test_lora_exports_load_upstream(tmp_path):
+    from peft import PeftModel
+
+    spec, model, handle = _lora_model("qwen2_5_vl", LoraOptions(rank=4, alpha=16.0), attn="sdpa")
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    handle.save_adapter(full, tmp_path / "adapter")
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    gen = torch.Generator().manual_seed(2)
+    sample = make_sample(spec, model.config, SampleSpec(text=6, images=[(1, 4, 4)]), gen=gen)
+    kwargs = {
+        "input_ids": sample["input_ids"][None],
+        "pixel_values": sample["pixel_values"],
+        "image_grid_thw": sample["image_grid_thw"],
+    }
+    model.eval()
+    ours = model(**kwargs).logits
+
+    merged = handle.merged_state(full)
+    upstream = spec.build(config=spec.tiny_config(), attn_backend="sdpa").eval()
+    upstream.load_state_dict(merged, strict=True)
+    torch.testing.assert_close(upstream(**kwargs).logits, ours, rtol=1e-5, atol=1e-5)
+
+    with handle.disabled():
+        base_sd = handle.merged_state(
+            {k: (torch.zeros_like(v) if ".lora_B." in k else v) for k, v in full.items()}
+        )
+    upstream = spec.build(config=spec.tiny_config(), attn_backend="sdpa")
+    upstream.load_state_dict(base_sd, strict=True)
+    peft_model = PeftModel.from_pretrained(upstream, str(tmp_path / "adapter")).eval()
+    torch.testing.assert_close(peft_model(**kwargs).logits, ours, rtol=1e-5, atol=1e-5)
