@@ -282,11 +282,13 @@ class LlavaOnevisionSpec(ModelSpec):
         if pixels is None:
             return None
         out = base.get_video_features(pixels[None], return_dict=True)
-        pooled = out.pooler_output[0]  # [frames * tokens + 1, H]: the last row is the newline
-        newline = pooled[-1:]
+        pooled = out.pooler_output[0]  # [frames * tokens (+ 1), H]
         frames = media["video_frames"]
         frames = [pixels.shape[0]] if frames is None else frames.reshape(-1).tolist()
-        per_frame = (pooled.shape[0] - 1) // pixels.shape[0]
+        per_frame = LlavaOnevisionSpec.pooled_frame_tokens(base.config)
+        # newer transformers append the newline row (`image_newline`) to get_video_features'
+        # output; 5.17 (the GPU image) appends it in the model's forward: take it from the model
+        newline = base.image_newline[None].to(pooled)
         parts, start = [], 0
         for n in frames:
             parts += [pooled[start : start + n * per_frame], newline]
