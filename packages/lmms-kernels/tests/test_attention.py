@@ -113,3 +113,17 @@ def test_backend_choice_and_errors():
         ),
         1.0,
     )
+
+
+def test_auto_takes_sdpa_for_fp32_where_the_fastest_backend_is_a_flash_kernel(monkeypatch):
+    """An fp32 run on CUDA (``bf16: false``): "auto" must not pick a flash kernel (they raise
+    "FlashAttention only support fp16 and bf16 data type"); 16-bit inputs keep the fastest."""
+    from lmms_kernels import _attention
+
+    monkeypatch.setattr(_attention, "available_backends", lambda device: ["torch", "flex", "sdpa"])
+    monkeypatch.setattr(_attention, "_AUTO", {})
+    assert lk.resolve_backend("auto", "cuda", torch.float32) == "sdpa"
+    assert lk.resolve_backend("auto", "cuda", torch.bfloat16) == "torch"
+    assert lk.resolve_backend("auto", "cuda") == "torch"
+    monkeypatch.setattr(_attention, "available_backends", lambda device: ["flex", "sdpa"])
+    assert lk.resolve_backend("auto", "cuda", torch.float32) == "flex"

@@ -149,6 +149,11 @@ def _output_problems(cfg: TrainConfig, problems: list[str]) -> None:
         problem = _writable_dir_problem(ckpts)
         if problem:
             problems.append(f"trainer_args.output_dir: checkpoints folder {problem}")
+    from lmms_train._run_folder import fresh_run_problem
+
+    problem = fresh_run_problem(out, t.resume_from, t.overwrite_output_dir)
+    if problem:
+        problems.append(problem)
     if t.resume_from is not None:
         from lmms_train._checkpoint import RunCheckpointer
 

@@ -136,6 +136,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
     spec = resolve_spec(cfg)
     checkpointer = RunCheckpointer(out, t.save_total_limit, config_to_dict(cfg))
     resume = checkpointer.resolve(t.resume_from)
+    run_id = checkpointer.start_run(resume, env)
     differences = _differences(cfg, env, resume)
     token_ids = prepare_inputs(cfg, env, spec)  # synthetic data / local processor if configured
     data, eval_data = build_data(cfg, env, spec)  # reads every shard's metadata: before the model
@@ -172,6 +173,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
                 flush=True,
             )
     if env.is_main:  # only now: a run that could not start leaves the folder's config alone
+        _claim_folder(out, run_id, resume, overwrite=t.overwrite_output_dir)
         (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         banner = start_banner(cfg, env, spec, built.state_module, out=out, resumed=resume,
                               step=state.step)  # fmt: skip
@@ -242,6 +244,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
         summary = end_summary(out=out, steps=state.step, max_steps=t.max_steps,
                               tokens=state.tokens_seen, seconds=time.perf_counter() - started,
                               metrics=last, stopped=run.stopped,
+                              checkpoint=checkpointer.ckpt.latest(),
                               exported=t.export_hf and (out / "hf").is_dir())  # fmt: skip
         print(summary, file=sys.stderr, flush=True)
     return TrainOutcome(metrics=last, stopped=run.stopped)
@@ -261,6 +264,31 @@ def _differences(cfg: TrainConfig, env: DistEnv, resume: Path | None) -> list[st
             flush=True,
         )
     return differences
+
+
+def _claim_folder(out: Path, run_id: str, resume: Path | None, *, overwrite: bool) -> None:
+    """Make `out` this run's: with `overwrite_output_dir` a fresh run first deletes another
+    run's files (the preflight refused them otherwise); then `run.json` names this lineage."""
+    from lmms_train._run_folder import (
+        clear_previous_run,
+        previous_run,
+        read_lineage,
+        set_aside_metrics,
+        write_run_file,
+    )
+
+    other = read_lineage(out)
+    if resume is not None and other not in (None, run_id):  # resumed another folder's run
+        set_aside_metrics(out, other)
+    if resume is None and overwrite and previous_run(out):
+        removed = clear_previous_run(out)
+        print(
+            f"[lmms-train] overwrite_output_dir: deleted the previous run's {', '.join(removed)} "
+            f"from {out}",
+            file=sys.stderr,
+            flush=True,
+        )
+    write_run_file(out, run_id, resume)
 
 
 def _plot_quietly(out: Path) -> None:

@@ -115,10 +115,18 @@ def available_backends(device: torch.device | str | None = None) -> list[str]:
 _AUTO: dict[str, str] = {}
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
+#: backends whose kernels take 16-bit inputs only
+_HALF_ONLY = frozenset({"fa4", "fa", "torch"})
+
+
+def resolve_backend(
+    backend: str, device: torch.device | str, dtype: torch.dtype | None = None
+) -> str:
     """Map ``"auto"`` to the fastest backend for ``device``; check an explicit one is usable.
 
     Automatic choice: CUDA -> fa4, fa, torch, flex (first available); any other device -> sdpa.
+    Inputs of another ``dtype`` than fp16/bf16 (an fp32 run on CUDA) take sdpa: the flash
+    kernels refuse them.
     """
     if backend not in (*BACKENDS, "auto"):
         raise ValueError(
@@ -128,6 +136,12 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend == "auto":
         kind = torch.device(device).type
         name = "sdpa" if kind != "cuda" else avail[0]
+        if (
+            dtype is not None
+            and dtype not in (torch.float16, torch.bfloat16)
+            and name in _HALF_ONLY
+        ):
+            return "sdpa"
         if _AUTO.get(kind) != name:  # written once: a compiled graph guards on this dict
             _AUTO[kind] = name
         return name
@@ -209,7 +223,7 @@ def record_call(path: str, name: str, q, k, v, causal: bool, scale) -> None:
 def _run_backend(backend, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     """Eager path: resolve the backend and call its kernel (autograd through the kernel's own
     backward). ``max_q``/``max_k`` may be ints or 0-d tensors (one host read each)."""
-    name = resolve_backend(backend, q.device)
+    name = resolve_backend(backend, q.device, q.dtype)
     record_call("eager", name, q, k, v, causal, scale)
     cu_q = cu_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_k.to(device=q.device, dtype=torch.int32)

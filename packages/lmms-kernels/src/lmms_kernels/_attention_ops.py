@@ -48,7 +48,7 @@ def _host_max(cu: torch.Tensor, mx: int) -> int:
 
 
 def _resolve(backend, q, cu_q, cu_k, max_q, max_k):
-    name = _A.resolve_backend(backend, q.device)
+    name = _A.resolve_backend(backend, q.device, q.dtype)
     return name, _host_max(cu_q, max_q), _host_max(cu_k, max_k)
 
 
@@ -75,7 +75,7 @@ def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend):
 
 @varlen_attn.register_fake
 def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend):
-    name = _A.resolve_backend(backend, q.device)
+    name = _A.resolve_backend(backend, q.device, q.dtype)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     n = q.shape[0] if name in _LSE_BACKENDS else 0
     return out, q.new_empty(q.shape[1], n, dtype=torch.float32)

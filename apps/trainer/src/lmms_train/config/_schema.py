@@ -453,7 +453,16 @@ class TrainerArgs:
         "`bfloat16` halves the folder (config.json names the dtype written).",
     )
     resume_from: str | None = _f(
-        None, "`latest` (error if none), `auto` (latest if any), or a checkpoint folder."
+        None,
+        "`latest` (error if none), `auto` (latest if any), or a checkpoint folder. `latest` is "
+        "the newest checkpoint of the run `output_dir` holds (its `run.json` lineage).",
+    )
+    overwrite_output_dir: bool = _f(
+        False,
+        "A fresh run (no `resume_from`) into an `output_dir` that holds another run "
+        "(checkpoints/, metrics.jsonl, config.yaml) is refused; `true` replaces that run: "
+        "once the model is built, its checkpoints, metrics, plot, config, exports (hf/, "
+        "hf_ema/) and TensorBoard/wandb logs are deleted (other files stay).",
     )
     on_data_change: Literal["error", "restart"] = _f(
         "error",

@@ -102,11 +102,17 @@ class PackLayout:
                 seen = (k <= q) | (same & (mode[q] != CAUSAL))
                 return (doc[q] == doc[k]) & seen & ~((mode[k] == NOISE) & ~same)
 
-            self._cache["block"] = create_block_mask(
-                mask_mod, B=None, H=None, Q_LEN=total, KV_LEN=total, device=dev,
-                _compile=dev.type == "cuda",
-            )  # fmt: skip
+            # compiled on CUDA as torch advises (its `_compile=True` flag is deprecated: 2.11)
+            make = _compiled_block_mask() if dev.type == "cuda" else create_block_mask
+            self._cache["block"] = make(mask_mod, None, None, total, total, device=dev)
         return self._cache["block"]
+
+
+@functools.cache
+def _compiled_block_mask() -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 @functools.cache
