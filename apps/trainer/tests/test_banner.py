@@ -37,7 +37,8 @@ def test_end_summary_says_where_things_are(tmp_path):
     (tmp_path / "checkpoints" / "step_000010").mkdir(parents=True)
     (tmp_path / "metrics.png").write_bytes(b"png")
     line = end_summary(out=tmp_path, steps=10, max_steps=10, tokens=1_234_567, seconds=125.0,
-                       metrics={"loss": 1.23456}, stopped=False, exported=True)  # fmt: skip
+                       metrics={"loss": 1.23456}, stopped=False, exported=True,
+                       checkpoint=tmp_path / "checkpoints" / "step_000010")  # fmt: skip
     assert "\n" not in line
     assert "done: 10/10 steps, 1.23M tokens in 2m05s (9.88k tokens/s), final loss 1.2346" in line
     for written in ("metrics.jsonl", "step_000010", "hf", "metrics.png"):

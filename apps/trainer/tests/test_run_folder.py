@@ -14,7 +14,11 @@ from lmms_train.config import config_from_dict
 
 
 def _cfg(tmp_path, out: str, **trainer):
-    return config_from_dict({
+    return config_from_dict(_raw(tmp_path, out, **trainer))
+
+
+def _raw(tmp_path, out: str, **trainer) -> dict:
+    return {
         "model_config": {
             "load_from_config": {"model_type": "qwen2", "tiny": True},
             "processor_path": str(tmp_path / "processor"),
@@ -30,7 +34,7 @@ def _cfg(tmp_path, out: str, **trainer):
             "bf16": False, "eval_steps": 0, "save_final": True, "report_to": [], "seed": 0,
             **trainer,
         },
-    })  # fmt: skip
+    }  # fmt: skip
 
 
 def _rows(tmp_path, out: str) -> list[dict]:
@@ -65,3 +69,48 @@ def test_resume_follows_the_new_schedule(tmp_path):
     old = _expected_lrs(_cfg(tmp_path, "run", **kw), 3)
     assert [r["lr"] for r in rows[:3]] == pytest.approx(old)
     assert [r["lr"] for r in rows[3:]] == pytest.approx(_expected_lrs(new, 6)[3:], rel=1e-12)
+
+
+def test_runs_in_one_folder_stay_apart(tmp_path, capsys):
+    """The issue's sequence: a fresh run into a used folder is one error line (exit 2, nothing
+    touched); a run resumed there from another folder's checkpoint prunes only its own lineage
+    (the other run's newer step_000003 stays, its own step_000002 is kept), the end summary names
+    its checkpoint, `latest` resumes its lineage, and `overwrite_output_dir` replaces the lot."""
+    import yaml
+
+    from lmms_train.cli import main
+
+    x, y = tmp_path / "x", tmp_path / "y"
+    train(_cfg(tmp_path, "x"))  # run A: steps 1-3, checkpoint step_000003
+    before = sorted(str(p.relative_to(x)) for p in x.rglob("*"))
+    path = tmp_path / "fresh.yaml"
+    raw = yaml.safe_load(yaml.safe_dump(_raw(tmp_path, "x")))
+    path.write_text(yaml.safe_dump(raw))
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith("lmms-train: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert "holds another run (checkpoints/step_000003, metrics.jsonl, config.yaml)" in errors[0]
+    assert "overwrite_output_dir: true" in errors[0]
+    assert sorted(str(p.relative_to(x)) for p in x.rglob("*")) == before
+    run_a = json.loads((x / "run.json").read_text())["run_id"]
+
+    train(_cfg(tmp_path, "y", max_steps=1))  # run C
+    train(_cfg(tmp_path, "x", max_steps=2, save_steps=1, save_total_limit=1,
+               resume_from=str(y / "checkpoints" / "step_000001")))  # fmt: skip
+    assert sorted(p.name for p in (x / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    assert f"wrote {x / 'metrics.jsonl'}, {x / 'checkpoints' / 'step_000002'}" in (
+        capsys.readouterr().err
+    )
+    assert (x / f"metrics.{run_a}.jsonl").is_file()  # run A's history, set aside
+    train(_cfg(tmp_path, "x", max_steps=4, save_total_limit=1, resume_from="latest"))
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "step_000002 at step 2" in err
+    assert sorted(p.name for p in (x / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
+    assert [r["step"] for r in _rows(tmp_path, "x")] == [2, 3, 4]  # kept across the resume
+
+    train(_cfg(tmp_path, "x", max_steps=1, overwrite_output_dir=True))
+    assert sorted(p.name for p in (x / "checkpoints").iterdir()) == ["step_000001"]
+    assert [r["step"] for r in _rows(tmp_path, "x")] == [1]
+    assert not list(x.glob("metrics.*.jsonl"))
+    assert json.loads((x / "run.json").read_text())["run_id"] != run_a

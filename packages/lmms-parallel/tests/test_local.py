@@ -140,6 +140,23 @@ def test_checkpointer_atomic_keep_last_and_resume(tmp_path):
         ckpt.load(tmp_path / "step_000004.tmp", model=fresh)
 
 
+def test_checkpointer_run_id_keeps_runs_apart(tmp_path):
+    """Two runs' checkpoints in one folder: each run's pruning and `latest()` see only its own
+    (the other run's newer steps are neither resumed nor counted against keep_last)."""
+    model = nn.Linear(4, 3)
+    old = lp.Checkpointer(tmp_path, keep_last=2, run_id="old")
+    for step in (10, 20):
+        old.save(step, model=model)
+    new = lp.Checkpointer(tmp_path, keep_last=2, run_id="new")
+    assert new.latest() is None
+    for step in (1, 2, 3):
+        new.save(step, model=model)
+    assert new.steps() == [2, 3] and new.latest().name == "step_000003"
+    assert old.steps() == [10, 20] and old.latest().name == "step_000020"
+    assert lp.Checkpointer.run_of(new.latest()) == "new"
+    assert lp.Checkpointer(tmp_path).steps() == [2, 3, 10, 20]  # no run_id: every run's
+
+
 def test_export_hf_single_process(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -88,17 +88,17 @@ def start_banner(
 
 def end_summary(
     *, out: Path, steps: int, max_steps: int, tokens: int, seconds: float,
-    metrics: dict[str, Any] | None, stopped: bool, exported: bool,
+    metrics: dict[str, Any] | None, stopped: bool, exported: bool, checkpoint: Path | None = None,
 ) -> str:  # fmt: skip
-    """One line: steps, tokens, time, final loss, where things were written."""
+    """One line: steps, tokens, time, final loss, where things were written (`checkpoint`: this
+    run's last one)."""
     loss = (metrics or {}).get("loss")
     loss_text = (
         f"final loss {loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else "no loss"
     )
-    ckpts = sorted((out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
     written = [str(out / "metrics.jsonl")]
-    if ckpts:
-        written.append(str(ckpts[-1]))
+    if checkpoint is not None:
+        written.append(str(checkpoint))
     if exported:
         written.append(str(out / "hf"))
     if (out / "metrics.png").is_file():

@@ -37,9 +37,28 @@ __all__ = ["RunCheckpointer", "check_fits", "saved_config", "weights_finite"]
 class RunCheckpointer:
     def __init__(self, out_dir: Path, keep_last: int, config: dict[str, Any] | None = None) -> None:
         from lmms_parallel import Checkpointer
+        from lmms_train._run_folder import read_lineage
 
-        self.ckpt = Checkpointer(out_dir / "checkpoints", keep_last=keep_last)
+        # the folder's run (its lineage): `latest` and pruning see only its checkpoints
+        lineage = read_lineage(out_dir)
+        self.ckpt = Checkpointer(out_dir / "checkpoints", keep_last=keep_last, run_id=lineage)
         self.config = config  # stored with every checkpoint: a resume reports what differs
+
+    @property
+    def run_id(self) -> str | None:
+        return self.ckpt.run_id
+
+    def start_run(self, resume: Path | None, env: DistEnv) -> str:
+        """This run's id: the resumed checkpoint's lineage, or a new one (fresh start, or a
+        checkpoint saved without one); every later save records it."""
+        from lmms_parallel import Checkpointer
+        from lmms_train._run_folder import new_run_id
+
+        run_id = Checkpointer.run_of(resume) if resume is not None else None
+        if run_id is None:  # the same on every rank: rank 0's
+            run_id = env.broadcast_object(new_run_id() if env.is_main else None)
+        self.ckpt.run_id = run_id
+        return run_id
 
     def latest_text(self) -> str:
         """The last complete checkpoint, for messages."""

@@ -54,27 +54,42 @@ class Checkpointer:
     """Save and resume training state under ``root``, keeping the newest ``keep_last`` checkpoints.
 
     Every method is collective (all ranks call it). ``root`` must be a filesystem all ranks see.
+    With ``run_id``, each save records it (a ``RUN`` file) and ``steps()``/``latest()``/pruning
+    see only the checkpoints of that run, so another run's checkpoints in ``root`` are never
+    resumed or deleted.
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep_last: int = 3) -> None:
+    def __init__(
+        self, root: str | os.PathLike, *, keep_last: int = 3, run_id: str | None = None
+    ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
+        self.run_id = run_id
 
     def path(self, step: int) -> Path:
         return self.root / f"step_{step:06d}"
 
     def steps(self) -> list[int]:
-        """Steps of the complete checkpoints, oldest first."""
+        """Steps of the complete checkpoints (of ``run_id``'s run if set), oldest first."""
         if not self.root.is_dir():
             return []
         found = []
         for entry in self.root.iterdir():
             match = _STEP.match(entry.name)
-            if match and (entry / "COMPLETE").exists():
+            ours = self.run_id is None or self.run_of(entry) == self.run_id
+            if match and (entry / "COMPLETE").exists() and ours:
                 found.append(int(match.group(1)))
         return sorted(found)
+
+    @staticmethod
+    def run_of(path: str | os.PathLike) -> str | None:
+        """The ``run_id`` a checkpoint was saved with (None: saved without one)."""
+        try:
+            return (Path(path) / "RUN").read_text().strip() or None
+        except OSError:
+            return None
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or ``None``."""
@@ -111,6 +126,8 @@ class Checkpointer:
         _fail_together(failed, tmp)
         if _rank() == 0:
             try:
+                if self.run_id is not None:
+                    (tmp / "RUN").write_text(f"{self.run_id}\n")
                 (tmp / "COMPLETE").write_text(f"{step}\n")
                 if final.exists():
                     shutil.rmtree(final)
