@@ -38,7 +38,7 @@ __all__ = ["BACKENDS", "available_backends", "resolve_backend", "varlen_attentio
 BACKENDS = ("fa4", "fa", "torch", "flex", "sdpa")
 
 _INSTALL_HINT = {
-    "fa4": "install flash-attn 4 (`pip install flash-attn-cute`, module flash_attn.cute) and run on a CUDA GPU",
+    "fa4": "install flash-attn 4 (`pip install lmms-kernels[flash]` or `flash-attn-4`, module flash_attn.cute) and run on a CUDA GPU",
     "fa": "install flash-attn 2/3 (`pip install flash-attn`) and run on a CUDA GPU",
     "torch": "needs torch>=2.9 with torch.nn.attention.varlen and a CUDA GPU",
     "flex": "needs torch>=2.5 (torch.nn.attention.flex_attention)",
