@@ -164,6 +164,7 @@ def check_data(cfg: TrainConfig, num_records: int = 200) -> DataReport:
     """Process the first `num_records` records of the run's data and measure them."""
     from lmms_data import SlotStream, build_processor
     from lmms_data._loader import discover
+    from lmms_models import MixedGeneration
     from lmms_train._data_setup import _check_inputs, data_config, prepare_inputs
     from lmms_train._dist import DistEnv
     from lmms_train._model_setup import resolve_spec
@@ -173,7 +174,7 @@ def check_data(cfg: TrainConfig, num_records: int = 200) -> DataReport:
     spec = resolve_spec(cfg)
     prepare_inputs(cfg, DistEnv(), spec)
     dcfg, finish = data_config(cfg, spec), None
-    if hasattr(spec, "finish_pack"):  # packed model-side (bagel): each sample packed alone
+    if isinstance(spec, MixedGeneration):  # packed model-side: each sample packed alone
         from lmms_train._data_setup import _model_side_packing
 
         dcfg, finish = _model_side_packing(cfg, spec, dcfg, DistEnv())

@@ -74,12 +74,12 @@ def _generate(g: Any, dataset_path: str, spec: Any) -> None:
     from lmms_data import generate_synthetic_audio, generate_synthetic_text, generate_synthetic_vl
 
     out = dataset_path if not Path(dataset_path).suffix else str(Path(dataset_path).parent)
-    if (g.kind or getattr(spec, "synthetic_kind", "")) == "bagel":
+    if (g.kind or spec.synthetic_kind) == "bagel":
         from lmms_data import generate_synthetic_bagel
 
         generate_synthetic_bagel(out, g.num_samples, seed=g.seed, image_size=g.image_size)
         return None
-    if (g.kind or getattr(spec, "synthetic_kind", "")) in ("shapes", "clips"):
+    if (g.kind or spec.synthetic_kind) in ("shapes", "clips"):
         from lmms_train._latent_data import generate_latent_demo
 
         return generate_latent_demo(g, out, g.kind or spec.synthetic_kind)
@@ -254,14 +254,16 @@ def _is_data_error(exc: Exception) -> bool:
 
 def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, Any]:
     """This rank's training stream and a callable giving the validation packs (or None)."""
-    if getattr(spec, "latent_batches", False):  # diffusion transformers
+    from lmms_models import GeneratesLatents, MixedGeneration
+
+    if isinstance(spec, GeneratesLatents):  # diffusion transformers: latent batches
         from lmms_train._latent_data import build_latent_data
 
         return build_latent_data(cfg, env, spec)
     from lmms_data import build_dataloader, build_processor
 
     dcfg, finish = data_config(cfg, spec), None
-    if hasattr(spec, "finish_pack"):  # packed model-side (bagel): options from the model config
+    if isinstance(spec, MixedGeneration):  # packed model-side: options from the model config
         dcfg, finish = _model_side_packing(cfg, spec, dcfg, env)
     _check_inputs(cfg, spec, dcfg)
     try:

@@ -127,20 +127,14 @@ def make_forward(
 
         VisionParticipation(spec.sp_slice_module(model), tower, dummy, outputs=outputs).install()
     if env.sp > 1:
-        from lmms_parallel import SequenceParallel, sp_group
+        from lmms_parallel import sp_group
 
         group = sp_group(env.mesh)
-        if hasattr(spec, "install_sp"):  # the family splits its own tokens (wan: video)
-            spec.install_sp(model, group)
-        else:
-            SequenceParallel(spec.sp_slice_module(model), group).install()
+        spec.install_sp(model, group)  # default: SequenceParallel on spec.sp_slice_module
         # each SP rank encodes a share of the media, for families that say how to split their
         # tower's work (audio towers do not: their output rows are not proportional to input
         # rows; the tower then runs whole on every SP rank, as before the split)
-        from lmms_models import ModelSpec
-
-        splits = type(spec).vision_split_plan is not ModelSpec.vision_split_plan
-        if split_vision and tower is not None and splits:
+        if split_vision and tower is not None and spec.splits_vision():
             from lmms_models import SplitVision
 
             SplitVision(spec, model, group).install()

@@ -82,17 +82,7 @@ def _flops_fn(run: Run):
     spec, conf = run.spec, run.hf_config
 
     def fn(batch: dict[str, Any], lens: list[int]) -> tuple[float, ...]:
-        if hasattr(spec, "pack_flops"):  # counted from the pack itself (bagel: mask, experts)
-            return spec.pack_flops(conf, batch)
-        lm = float(spec.lm_flops(conf, lens))
-        half = float(spec.lm_flops(conf, lens, causal_half=True))
-        skipped = 0.0
-        rows = batch.get("loss_rows")
-        if rows is not None:
-            text = spec.text_config(conf)
-            head = 6.0 * float(text.hidden_size) * float(text.vocab_size)
-            skipped = head * max(0, sum(lens) - len(rows))
-        return lm, float(spec.media_flops(conf, batch)), half, skipped  # media: vision, audio
+        return spec.pack_flops(conf, batch, lens)
 
     return fn
 

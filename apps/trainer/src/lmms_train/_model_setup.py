@@ -100,7 +100,7 @@ def build_objective(cfg: TrainConfig, spec: Any = None) -> Any:
             f"{suggest(m.objective, names)}; registered: {', '.join(names)}"
         )
     args = dict(m.objective_args)
-    if spec is not None and getattr(spec, "default_objective", None) == m.objective:
+    if spec is not None and spec.default_objective == m.objective:
         args = {**spec.objective_defaults, **args}  # the family's parameterisation (wan: RF)
     if m.objective == "masked_diffusion" and "shift" not in args and m.load_from_pretrained_path:
         from lmms_models.objectives import read_layout
@@ -186,6 +186,21 @@ def _freeze(model: nn.Module, spec: Any, names: list[str]) -> list[str]:
     return frozen
 
 
+def _check_frozen_encoders(spec: Any, env: DistEnv, t: Any) -> None:
+    """`frozen_encoders` other than `replicate`: only for a family whose frozen encoders run on
+    the fly and can be placed (`GeneratesLatents.placeable_encoders`, e.g. a text encoder)."""
+    from lmms_models import GeneratesLatents
+
+    placeable = isinstance(spec, GeneratesLatents) and spec.placeable_encoders
+    if t.frozen_encoders != "replicate" and not placeable:
+        raise ConfigError(
+            f"trainer_args.frozen_encoders: {t.frozen_encoders} is for families with a frozen "
+            f"encoder run on the fly (placeable_encoders), not {spec.name}"
+        )
+    if t.frozen_encoders == "shard" and not env.fsdp:
+        raise ConfigError("trainer_args.frozen_encoders: shard needs FSDP: set trainer_args.fsdp")
+
+
 def build_model(
     cfg: TrainConfig, env: DistEnv, spec: Any, token_ids: dict[str, Any] | None
 ) -> BuiltModel:
@@ -193,17 +208,11 @@ def build_model(
     m, t = cfg.model_config, cfg.trainer_args
     if t.fsdp_cpu_offload and not env.fsdp:
         raise ConfigError("trainer_args.fsdp_cpu_offload needs FSDP: set trainer_args.fsdp: true")
-    if t.frozen_encoders != "replicate" and not getattr(spec, "placeable_encoders", ()):
-        raise ConfigError(
-            f"trainer_args.frozen_encoders: {t.frozen_encoders} is for families with a frozen "
-            f"text encoder run on the fly (wan), not {spec.name}"
-        )
-    if t.frozen_encoders == "shard" and not env.fsdp:
-        raise ConfigError("trainer_args.frozen_encoders: shard needs FSDP: set trainer_args.fsdp")
+    _check_frozen_encoders(spec, env, t)
     handles: list[Any] = []
     meta = env.fsdp and m.load_from_pretrained_path is not None
     weights: Any = m.load_from_pretrained_path  # what rank 0 broadcasts into the shards
-    if weights is not None and hasattr(spec, "weights_file"):  # one file of several (bagel)
+    if weights is not None:  # the family's file (e.g. one of several) or the folder
         weights = str(spec.weights_file(weights))
     attn = t.attn_backend if t.use_rmpad else "sdpa"
     backends = dict(attn_backend=attn, vision_attn_backend=t.vision_attn_backend)
@@ -254,7 +263,7 @@ def build_model(
         from lmms_models import linear_patch_embed
 
         handles.append(linear_patch_embed(spec.vision_tower(model)))
-    if t.use_liger_kernel and getattr(spec, "supports_liger", True):
+    if t.use_liger_kernel and spec.supports_liger:
         handles.append(_apply_liger(model, spec, env))
     units = _apply_plans(model, spec, env, t, hf_config, handles, m.objective)  # TP/EP first
     if env.sp > 1:
@@ -287,8 +296,8 @@ def build_model(
             from lmms_models.objectives.llada_layout import pretrained_key_map
 
             key_map = pretrained_key_map(weights) if isinstance(weights, str) else None  # LLaDA
-            if isinstance(weights, str) and env.rank == 0 and hasattr(spec, "pretrained_weights"):
-                weights = spec.pretrained_weights(weights)  # read by the family (e.g. Omni)
+            if isinstance(weights, str) and env.rank == 0:  # a path, or read by the family
+                weights = spec.pretrained_weights(weights)  # (e.g. an Omni thinker)
             load_full_state_dict(model, weights if env.rank == 0 else None, key_map=key_map)
             del weights
     _place_frozen_encoders(model, spec, env, t)
@@ -336,7 +345,9 @@ def _apply_plans(
     plan (its loss never gathers [T, vocab]; a head tied to the embeddings stays replicated).
     Returns the FSDP2 units of the experts under EP (sharded over the ranks that hold the same
     experts)."""
-    if hasattr(spec, "set_experts"):
+    from lmms_models import HasExperts
+
+    if isinstance(spec, HasExperts):
         from lmms_models import ExpertLoadMeter
 
         try:

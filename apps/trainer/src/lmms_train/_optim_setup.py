@@ -52,7 +52,7 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
             *spec.embeddings(model),
             spec.lm_head(model),
             *_grouped_convs(model),
-            *getattr(spec, "muon_adamw_modules", lambda _: [])(model),
+            *spec.muon_adamw_modules(model),
         ]
         for p in m.parameters()
     }
@@ -99,10 +99,11 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
             f"trainer_args.optimizer_state_dtype: {t.optimizer_state_dtype} state is AdamW's "
             "(lmms_optim.LowPrecisionAdamW); Muon keeps fp32 state: set it to float32"
         )
+    from lmms_models import HasExperts
     from lmms_optim import Muon
 
     # MoE experts [E, m, n]: E matrices, each orthogonalised on its own (Muon's `stacked` group)
-    experts = spec.experts_modules(model) if hasattr(spec, "experts_modules") else []
+    experts = spec.experts_modules(model) if isinstance(spec, HasExperts) else []
     stack_ids = {id(p) for m in experts for p in m.parameters() if p.ndim == 3}
     is_stack = [id(p) in stack_ids for p in params]
     muon = [p for p, m, st in zip(stepped, takes_muon, is_stack, strict=True) if m and not st]

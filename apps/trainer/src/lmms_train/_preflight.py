@@ -58,6 +58,7 @@ def _spec_problems(cfg: TrainConfig, problems: list[str]) -> Any:
 def _name_problems(cfg: TrainConfig, spec: Any, problems: list[str]) -> None:
     from lmms_data import DATASET_REGISTRY, PROCESSOR_REGISTRY
     from lmms_kernels import BACKENDS
+    from lmms_models import GeneratesLatents
     from lmms_pack import STREAM_STRATEGIES
 
     d, t = cfg.dataset_config, cfg.trainer_args
@@ -71,7 +72,7 @@ def _name_problems(cfg: TrainConfig, spec: Any, problems: list[str]) -> None:
         vision = ["auto", *BACKENDS]
         checks.append(("trainer_args.vision_attn_backend", t.vision_attn_backend, vision))
     family = d.processor_family or (spec.processor_family if spec is not None else None)
-    if family is not None and not getattr(spec, "latent_batches", False):
+    if family is not None and not isinstance(spec, GeneratesLatents):
         checks.append(("dataset_config.processor_family", family, list(PROCESSOR_REGISTRY.names())))
     for key, value, names in checks:
         if value not in names:

@@ -176,12 +176,13 @@ def precompute(cfg: Any, out: str, *, rows_per_shard: int = 512) -> tuple[int, i
 
     from lmms_data import build_latent_loader
     from lmms_data._latent import npy_bytes
+    from lmms_models import GeneratesLatents
     from lmms_train._data_setup import data_config
     from lmms_train._latent_data import _tokenizer, model_config_for_data
     from lmms_train._model_setup import resolve_spec
 
     spec = resolve_spec(cfg)
-    if not getattr(spec, "latent_batches", False):
+    if not isinstance(spec, GeneratesLatents):
         raise ValueError(f"precompute: {spec.name} is not a diffusion-transformer family")
     _, sources = spec.split_encoders(model_config_for_data(cfg, spec))
     encoders = {name: spec.build_encoder(name, src) for name, src in sources.items()}

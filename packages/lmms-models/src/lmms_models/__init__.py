@@ -7,6 +7,7 @@ sequence parallel. Adding a family is one folder under ``families/`` (docs/addin
 """
 
 from ._attention import UPSTREAM_BACKENDS, set_attention, text_attention_kwargs
+from ._capabilities import GeneratesLatents, HasExperts, MixedGeneration
 from ._diffusion import DiffusionSpec, attach_encoder, get_encoder, place_encoders
 from ._flops import attention_flops
 from ._lora import LoraHandle, LoraOptions, apply_lora
@@ -25,8 +26,11 @@ __all__ = [
     "UPSTREAM_BACKENDS",
     "DiffusionSpec",
     "ExpertLoadMeter",
+    "GeneratesLatents",
+    "HasExperts",
     "LoraHandle",
     "LoraOptions",
+    "MixedGeneration",
     "MoESpecMixin",
     "ModelSpec",
     "PatchEmbedHandle",

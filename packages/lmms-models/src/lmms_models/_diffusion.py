@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._capabilities import GeneratesLatents
 from ._flops import attention_flops
 from ._spec import ModelSpec
 
@@ -67,7 +68,7 @@ def require_diffusers() -> Any:
     return diffusers
 
 
-class DiffusionSpec(ModelSpec):
+class DiffusionSpec(ModelSpec, GeneratesLatents):
     """Base class of the diffusion-transformer families (``sit``, ``wan``).
 
     Frozen encoders are part of the model's config dict under ``encoder_classes``' keys (e.g.
@@ -77,10 +78,7 @@ class DiffusionSpec(ModelSpec):
     """
 
     default_objective: str = "flow_matching"
-    objective_defaults: dict[str, Any] = {}  # noqa: RUF012 (read-only class table)
-    latent_batches: bool = True  # the trainer reads lmms_data.build_latent_loader batches
     supports_liger: bool = False  # no RMSNorm/SwiGLU decoder for Liger's kernels
-    synthetic_kind: str = ""  # lmms-train's generate_synthetic default for the family
     # name -> (library, model class, config class or "" for diffusers' own configs)
     encoder_classes: dict[str, tuple[str, str, str]] = {}  # noqa: RUF012
     placeable_encoders: tuple[str, ...] = ()  # encoders that encoder_blocks splits

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._capabilities import HasExperts
+
 __all__ = ["EXPERTS_EP_PLAN", "ExpertLoadMeter", "MoESpecMixin", "expert_load_meter"]
 
 #: Expert-parallel plan of the Qwen MoE decoders (Qwen3-MoE, Qwen3-VL-MoE, and the omni MoE
@@ -34,7 +36,7 @@ EXPERTS_EP_PLAN: dict[str, str] = {"layers.*.mlp.experts": "experts"}
 _METERS: weakref.WeakKeyDictionary[nn.Module, ExpertLoadMeter] = weakref.WeakKeyDictionary()
 
 
-class MoESpecMixin:
+class MoESpecMixin(HasExperts):
     """Mixed into a :class:`lmms_models.ModelSpec` of a family with top-k routed experts.
 
     ``aux_loss_module``: the transformers module (``transformers.models.<name>``) whose

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -96,6 +98,16 @@ class ModelSpec:
     #: ``tp_plan`` with sequence-parallel norms (``trainer_args.tp_sequence_parallel``; empty:
     #: not supported by the family). lmms_models._plans.QWEN2_TP_SP_PLAN / QWEN3_TP_SP_PLAN.
     tp_sp_plan: dict[str, str] = {}  # noqa: RUF012
+    #: The objective a run of this family takes by default (``model_config.objective``), and
+    #: the options the family gives it when chosen (under ``objective_args``), e.g. Wan's
+    #: rectified-flow parameterisation.
+    default_objective: str = "causal_lm"
+    objective_defaults: dict[str, Any] = {}  # noqa: RUF012
+    #: ``trainer_args.use_liger_kernel`` applies lmms_kernels' Liger patches to this family.
+    supports_liger: bool = True
+    #: ``dataset_config.generate_synthetic.kind`` when the config gives none ("": chosen from
+    #: the ``media_keys``: text, vl, audio or omni).
+    synthetic_kind: str = ""
 
     # ---------------------------------------------------------------- configs
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
@@ -194,6 +206,24 @@ class ModelSpec:
             wrapper=wrapper,
             vision_backend=vision_backend,
         )
+
+    def weights_file(self, path: str) -> str | Path:
+        """The file of a ``load_from_pretrained_path`` folder that holds the trained module's
+        weights (what rank 0 reads and broadcasts into the FSDP2 shards); default: the folder
+        itself (every ``*.safetensors`` in it)."""
+        return path
+
+    def pretrained_weights(self, folder: str) -> str | dict[str, torch.Tensor]:
+        """What rank 0 loads into the shards of a model built on meta: a path that
+        lmms_parallel's ``load_full_state_dict`` reads (default: ``folder``), or the state dict
+        itself when the family reads its release (e.g. an Omni thinker out of the full model)."""
+        return folder
+
+    def finish_export(self, out: str | Path, source: str | None) -> None:
+        """After the trainer's HF export to ``out`` of a run that started from ``source`` (a
+        ``load_from_pretrained_path`` folder, or None): rewrite the release's layout if the
+        family has one (default: nothing)."""
+        return None
 
     # ---------------------------------------------------------------- packed forward
     def packed_forward(
@@ -408,6 +438,11 @@ class ModelSpec:
         (:class:`lmms_models.SplitVision`): a :class:`lmms_models.VisionSplitPlan`."""
         raise NotImplementedError(f"{self.name} does not say how to split its vision tower's work")
 
+    def splits_vision(self) -> bool:
+        """Whether :meth:`vision_split_plan` says how to share the tower's work over SP ranks
+        (a family that defines it); otherwise the tower runs whole on every SP rank."""
+        return type(self).vision_split_plan is not ModelSpec.vision_split_plan
+
     def block_classes(self, model: nn.Module) -> list[type[nn.Module]]:
         """Distinct classes of decoder and vision blocks (for FSDP wrapping / checkpointing)."""
         classes: list[type[nn.Module]] = []
@@ -438,6 +473,20 @@ class ModelSpec:
         """The module whose ``inputs_embeds``/``position_ids`` are sliced for Ulysses SP: the text
         decoder, called after the multimodal merge."""
         return self.text_model(model)
+
+    def install_sp(self, model: nn.Module, sp_group: Any) -> Any:
+        """Install Ulysses sequence parallel on ``model`` for ``sp_group`` (after the attention
+        wrapper): default, lmms_parallel's ``SequenceParallel`` hook on :meth:`sp_slice_module`;
+        a family that splits its own tokens (Wan: the video tokens) installs its hooks here.
+        Returns the handle (``.remove()``)."""
+        from lmms_parallel import SequenceParallel
+
+        return SequenceParallel(self.sp_slice_module(model), sp_group).install()
+
+    def muon_adamw_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Modules whose matrices the Muon optimizer leaves to AdamW besides the embeddings and
+        the LM head (default: none; e.g. BAGEL's modality projections)."""
+        return []
 
     # ---------------------------------------------------------------- FLOPs
     def lm_matmul_params(self, config: Any) -> int:
@@ -476,6 +525,27 @@ class ModelSpec:
         """Training FLOPs of the media towers on a packed batch (what MFU adds to the LM's):
         :meth:`pack_vision_flops`; audio families add their encoder."""
         return self.pack_vision_flops(config, batch)
+
+    def pack_flops(
+        self, config: Any, batch: dict[str, Any], lens: Sequence[int] | None = None
+    ) -> tuple[float, ...]:
+        """Training FLOPs of one packed batch with segments ``lens`` (default: from its
+        ``cu_seqlens``), what the trainer's MFU reads: ``(LM, media, LM with causal attention
+        halved, LM-head FLOPs not run)``; the last is the head's ``6·H·V`` for every token the
+        head skipped (the batch's ``loss_rows`` hold the rows run). A family that counts from
+        the pack itself (BAGEL: its mask and experts) returns ``(decoder, media)``."""
+        if lens is None:
+            cu = batch["cu_seqlens"].tolist()
+            lens = [b - a for a, b in itertools.pairwise(cu)]
+        lm = float(self.lm_flops(config, lens))
+        half = float(self.lm_flops(config, lens, causal_half=True))
+        skipped = 0.0
+        rows = batch.get("loss_rows")
+        if rows is not None:
+            text = self.text_config(config)
+            head = 6.0 * float(text.hidden_size) * float(text.vocab_size)
+            skipped = head * max(0, sum(lens) - len(rows))
+        return lm, float(self.media_flops(config, batch)), half, skipped
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

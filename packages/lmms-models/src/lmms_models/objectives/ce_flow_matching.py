@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import _flow_matching as fm
+from .._capabilities import MixedGeneration
 from ._base import Objective, ObjectiveContext, ObjectiveOutput, register_objective
 from .flow_matching import sample_seeds
 
@@ -66,14 +67,13 @@ def mixed_terms(
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """``{ce_sum, ce_count, fm_sum, fm_count, per_image [n_noised], t [n_noised]}`` of one row.
 
-    The spec supplies ``latent_tokens(model, x [C, H, W]) -> [n, d]``,
+    The spec (a :class:`lmms_models.MixedGeneration`) supplies ``prepare_row(model, row)``,
+    ``latent_tokens(model, x [C, H, W]) -> [n, d]``,
     ``latent_image(model, tokens [n, d], like [C, H, W]) -> [C, H, W]`` and
     ``mixed_forward(model, batch, tokens [Ng, d], time [Ng], loss_backend) ->
     (ce_sum, ce_count, predictions [N_noised_tokens, d] or None)``.
     """
-    prepare = getattr(spec, "prepare_row", None)  # the row on the device, pixels encoded
-    if prepare is not None:
-        batch = prepare(model, batch)
+    batch = spec.prepare_row(model, batch)  # the row on the device, pixels encoded
     latents: list[torch.Tensor] = batch["vae_latents"]
     noised: list[bool] = batch["vae_noised"]
     tokens, times, targets = [], [], []
@@ -133,10 +133,10 @@ class CeFlowMatching(Objective):
     def loss(
         self, spec: Any, model: nn.Module, batch: dict[str, Any], ctx: ObjectiveContext
     ) -> ObjectiveOutput:
-        if not hasattr(spec, "mixed_forward"):
+        if not isinstance(spec, MixedGeneration):
             raise TypeError(
-                f"objective ce_flow_matching needs a unified family (bagel); {spec.name} has no "
-                "mixed_forward"
+                f"objective ce_flow_matching needs a family of mixed understanding and "
+                f"generation rows (lmms_models.MixedGeneration); {spec.name} is not one"
             )
         opt: CeFlowMatchingOptions = self.options
         terms = mixed_terms(

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._capabilities import MixedGeneration
 from ..._registry import register_model
 from ..._spec import ModelSpec
 from ._mask import CAUSAL, FULL, NOISE, PackLayout, dense_mask, span_attention
@@ -68,7 +69,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @register_model("bagel")
-class BagelSpec(ModelSpec):
+class BagelSpec(ModelSpec, MixedGeneration):
     """The engine's view of BAGEL. Not a transformers class: :meth:`build` makes a :class:`Bagel`."""
 
     processor_family = "bagel"
@@ -370,10 +371,12 @@ class BagelSpec(ModelSpec):
         return sum(self.pack_flops(config, batch))
 
     def pack_flops(
-        self, config: dict[str, Any] | BagelConfig, batch: dict[str, Any]
-    ) -> tuple[float, float]:
+        self, config: dict[str, Any] | BagelConfig, batch: dict[str, Any],
+        lens: Sequence[int] | None = None,
+    ) -> tuple[float, float]:  # fmt: skip
         """``(decoder, media)`` training FLOPs (6 x matmul parameters per token, + attention as
-        executed) of a packed row; lmms-train's MFU reads them (``mfu_lm`` is the first).
+        executed) of a packed row (``lens`` unused: the row's layout has the samples);
+        lmms-train's MFU reads them (``mfu_lm`` is the first).
         Decoder: each token runs exactly one expert's weights (MoT: understanding tokens the
         first set, latent tokens the second), so the count is one dense Qwen2.5 per token;
         attention counts the mask's allowed pairs (dense per sample, causal half for text), plus

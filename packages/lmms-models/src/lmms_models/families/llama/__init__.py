@@ -58,7 +58,6 @@ class LlamaSpec(ModelSpec):
     model_class = "LlamaForCausalLM"
     #: LlamaModel has no ``{layer type: mask}`` branch, so no ``mask_mapping``: the packed forward
     #: hands it qwen3_moe's empty prepared mask (no host read of ``position_ids``).
-    prepared_mask = True
     presets = {"llama3_8b": LLAMA3_8B, "llada_8b": LLADA_8B}  # noqa: RUF012
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:

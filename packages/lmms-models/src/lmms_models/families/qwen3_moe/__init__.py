@@ -76,8 +76,7 @@ class Qwen3MoeSpec(MoESpecMixin, ModelSpec):
     aux_loss_module = "qwen3_moe"
     config_class = "Qwen3MoeConfig"
     model_class = "Qwen3MoeForCausalLM"
-    #: No ``mask_mapping`` (see the module docstring): :func:`prepared_empty_mask` instead.
-    prepared_mask = True
+    # No ``mask_mapping`` (see the module docstring): :func:`prepared_empty_mask` instead.
 
     def media_context(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """The packed forward's context: :func:`prepared_empty_mask` on the text decoder."""

@@ -117,7 +117,6 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
     mrope_rows_only = False  # [4, T]: the text model reads the text row itself
     #: Its decoder has no ``{layer type: mask}`` branch: the empty prepared mask of Qwen3-MoE.
     mask_mapping = False
-    prepared_mask = True
     presets = {"30b_a3b": QWEN3_OMNI_30B_A3B}  # noqa: RUF012
     audio_in_video = "tokens"
 
