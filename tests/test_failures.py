@@ -318,7 +318,7 @@ def test_one_run_per_output_folder(tiny_inputs, tmp_path, capsys):
         first.wait()
         log.close()
     assert (out / ".lmms-train.lock").exists()
-    assert main([str(short)]) == 0
+    assert main([str(short), "trainer_args.overwrite_output_dir=true"]) == 0  # the killed run's
 
 
 _MOUNTS = """

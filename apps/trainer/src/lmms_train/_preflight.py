@@ -153,7 +153,7 @@ def _output_problems(cfg: TrainConfig, problems: list[str]) -> None:
     from lmms_train._run_folder import fresh_run_problem
 
     problem = fresh_run_problem(out, t.resume_from, t.overwrite_output_dir)
-    if problem:
+    if problem and not RunLock(out).held():  # a live run there: the lock says so, later
         problems.append(problem)
     if t.resume_from is not None:
         from lmms_train._checkpoint import RunCheckpointer
@@ -233,3 +233,14 @@ class RunLock:
                 fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+    def held(self) -> bool:
+        """Whether a live process holds the lock now (nothing is taken or written)."""
+        try:
+            with open(self.path) as f:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        return False
+
