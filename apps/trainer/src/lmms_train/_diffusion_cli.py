@@ -99,9 +99,12 @@ def render_main(args: list[str]) -> int:
         raise UserError(RENDER_USAGE)
     import torch
 
+    from lmms_train._hub_ids import resolve_path_arg
     from lmms_train._render import render_sit, render_wan
 
-    folder = Path(rest[0])
+    folder = Path(resolve_path_arg(rest[0], "model", "CHECKPOINT_DIR") or rest[0])
+    if "--processor" in o:
+        o["--processor"] = resolve_path_arg(o["--processor"], "processor", "--processor")
     spec = _spec_of(folder)
     if spec.name == "bagel":  # prompt -> image (lmms_train._render.render_bagel)
         from lmms_train._render import render_bagel

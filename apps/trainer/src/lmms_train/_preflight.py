@@ -36,7 +36,11 @@ _LOSS_BACKENDS = ("auto", "liger", "torch", "triton")
 
 def config_problems(cfg: TrainConfig) -> list[str]:
     """Every problem visible before the model is built (empty list: none found)."""
-    problems: list[str] = []
+    from lmms_train._hub_ids import resolve_config_hub_ids
+
+    problems = resolve_config_hub_ids(cfg)  # Hub ids -> local cache folders, before any read
+    if problems:  # an id that did not resolve: the checks below would only repeat it
+        return problems
     spec = _spec_problems(cfg, problems)
     _name_problems(cfg, spec, problems)
     _device_problems(cfg, problems)

@@ -7,10 +7,17 @@ from pathlib import Path
 
 import yaml
 
-from lmms_train._diffusion_cli import precompute_main, render_main
+from lmms_train._diffusion_cli import PRECOMPUTE_USAGE, RENDER_USAGE, precompute_main, render_main
 from lmms_train._errors import ConfigError, UserError
 
-__all__ = ["SUBCOMMANDS", "check_data_main", "convert_config_main", "sample_main", "version_main"]
+__all__ = [
+    "SUBCOMMANDS",
+    "USAGES",
+    "check_data_main",
+    "convert_config_main",
+    "sample_main",
+    "version_main",
+]
 
 CHECK_USAGE = "usage: lmms-train check-data CONFIG.yaml [section.key=value ...] [--num-records N]"
 CONVERT_USAGE = "usage: lmms-train convert-config ENGINE_CONFIG.yaml [-o OUT.yaml]"
@@ -38,6 +45,9 @@ def check_data_main(args: list[str]) -> int:
     except ValueError:
         raise UserError(f"--num-records: expected an integer, got {n!r}") from None
     cfg = load_config(args[0], args[1:])
+    from lmms_train._hub_ids import raise_hub_problems
+
+    raise_hub_problems(cfg)  # Hub ids -> local cache folders
     print(check_data(cfg, num).text(), flush=True)
     return 0
 
@@ -109,12 +119,13 @@ def sample_main(args: list[str]) -> int:
                 if v is not None and k not in ("--prompt", "--processor")}  # fmt: skip
     except ValueError as exc:
         raise UserError(f"{SAMPLE_USAGE}\n{exc}") from None
+    from lmms_train._hub_ids import resolve_path_arg
     from lmms_train._sample import sample_text
 
     text = sample_text(
-        args[0],
+        resolve_path_arg(args[0], "model", "CHECKPOINT_DIR"),
         opts["--prompt"],
-        processor=opts["--processor"],
+        processor=resolve_path_arg(opts["--processor"], "processor", "--processor"),
         gen_length=int(nums.get("--gen-length", 32)),
         steps=int(nums.get("--steps", 32)),
         block_length=int(nums["--block-length"]) if "--block-length" in nums else None,
@@ -126,6 +137,17 @@ def sample_main(args: list[str]) -> int:
     print(text, flush=True)
     return 0
 
+
+# `lmms-train NAME --help` (cli.py); a command not named here shows its function's docstring
+USAGES = {
+    "check-data": CHECK_USAGE,
+    "convert-config": CONVERT_USAGE,
+    "sample": SAMPLE_USAGE,
+    "render": RENDER_USAGE,
+    "precompute": PRECOMPUTE_USAGE,
+    "--version": "usage: lmms-train --version",
+    "-V": "usage: lmms-train -V",
+}
 
 SUBCOMMANDS = {
     "render": render_main,

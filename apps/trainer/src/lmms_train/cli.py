@@ -24,6 +24,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from typing import Any
 from lmms_train._errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -70,10 +71,38 @@ def _split_args(argv: Sequence[str]) -> tuple[str, list[str]]:
 
 
 def _run(argv: list[str]) -> int:
+PLOT_USAGE = "usage: lmms-train plot RUN_DIR [--out FILE.png]"
+
+
+def _config_problems(cfg: Any) -> list[str]:
+    from lmms_train._preflight import config_problems  # imports torch and the model code
+
+    return config_problems(cfg)
+
+
+def _subcommand_names() -> list[str]:
+    from lmms_train._subcommands import SUBCOMMANDS
+
+    return ["plot", "docs", *SUBCOMMANDS]
+
+
+def _subcommand_help(name: str) -> str:
+    """`lmms-train NAME --help`: its usage line(s), then what it does (this module's table)."""
+    from lmms_train._subcommands import SUBCOMMANDS, USAGES
+
+    usages = {"plot": PLOT_USAGE, "docs": "usage: lmms-train docs", **USAGES}
+    usage = usages.get(name) or (SUBCOMMANDS[name].__doc__ or "").strip()
+    what = [ln.strip() for ln in _USAGE.splitlines() if ln.split()[:2] == ["lmms-train", name]]
+    return "\n".join([usage, *what])
+
+
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_USAGE)
         return 0 if argv else 2
     if argv[0] == "plot":
+    if len(argv) > 1 and set(argv[1:]) & {"-h", "--help"} and argv[0] in _subcommand_names():
+        print(_subcommand_help(argv[0]))
+        return 0
         from lmms_train._plot import plot_run
 
         args = argv[1:]
@@ -83,7 +112,7 @@ def _run(argv: list[str]) -> int:
             out = args[i + 1] if i + 1 < len(args) else None
             args = args[:i] + args[i + 2 :]
         if len(args) != 1:
-            raise UserError("usage: lmms-train plot RUN_DIR [--out FILE.png]")
+            raise UserError(PLOT_USAGE)
         print(plot_run(args[0], out))
         return 0
     if argv[0] == "docs":
@@ -96,10 +125,25 @@ def _run(argv: list[str]) -> int:
     if argv[0] in SUBCOMMANDS:
         return SUBCOMMANDS[argv[0]](argv[1:])
     config_path, overrides = _split_args(argv)
-    from lmms_train._preflight import config_problems
     from lmms_train.config import load_config
 
-    cfg = load_config(config_path, overrides, checks=config_problems)
+    shown: list[str] = []  # the config's own problems, shown before the checks' heavy imports
+
+    def early(problems: list[str]) -> None:
+        for problem in problems:
+            _fail(problem)
+        shown.extend(problems)
+
+    try:
+        cfg = load_config(config_path, overrides, checks=_config_problems, early=early)
+    except ConfigError as exc:
+        if not shown:
+            raise
+        for problem in exc.problems:
+            if problem not in shown:
+                _fail(problem)
+        n = len(exc.problems)
+        return _fail(f"{n} problems in the configuration (above)") if n > 1 else EXIT_USER_ERROR
     from lmms_train._trainer import run_training
 
     outcome = run_training(cfg)

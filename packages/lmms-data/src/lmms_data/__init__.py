@@ -15,6 +15,7 @@ Public API::
     generate_synthetic_omni(out_dir, n, ...)   # half image records, half audio records
     generate_synthetic_bagel(out_dir, n, ...)  # shapes: captions, drawings, edits (BAGEL)
     decode_audio(src, sampling_rate) ; AudioOptions(...)   # the audio path (extra `audio`)
+    resolve_hub_path("org/name[@rev]", kind="model" | "processor" | "dataset") -> local folder
 """
 
 from lmms_data import _datasets as _datasets  # registers the built-in dataset types
@@ -23,6 +24,7 @@ from lmms_data._audio import AudioOptions, decode_audio, load_audio_clips
 from lmms_data._collate import MEDIA_KEYS, collate_packed_batch
 from lmms_data._config import DatasetConfig
 from lmms_data._errors import BAD_REASONS, BadRecordError, BadRecordRatioExceeded, BadRecordStats
+from lmms_data._hub import HubError, hub_cache_dir, is_hub_id, resolve_hub_path, split_hub_id
 from lmms_data._latent import LatentLoader, build_latent_loader
 from lmms_data._loader import (
     DatasetChangedError,
@@ -75,6 +77,7 @@ __all__ = [
     "BadRecordStats",
     "DatasetChangedError",
     "DatasetConfig",
+    "HubError",
     "LatentLoader",
     "PackedLoader",
     "Qwen2AudioDataProcessor",
@@ -101,6 +104,8 @@ __all__ = [
     "generate_synthetic_shapes",
     "generate_synthetic_text",
     "generate_synthetic_vl",
+    "hub_cache_dir",
+    "is_hub_id",
     "iter_unit",
     "load_audio_clips",
     "mrope_positions",
@@ -108,4 +113,6 @@ __all__ = [
     "processors",
     "register_dataset",
     "register_processor",
+    "resolve_hub_path",
+    "split_hub_id",
 ]

@@ -25,12 +25,18 @@ __all__ = ["apply_overrides", "config_from_dict", "config_to_dict", "load_config
 
 
 def load_config(
-    path: str | Path, overrides: Sequence[str] = (), *, checks: Checks | None = None
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    checks: Checks | None = None,
+    early: Early | None = None,
 ) -> TrainConfig:
     """Read a YAML file, apply `key.sub=value` overrides, return a validated `TrainConfig`.
 
     Every problem of the file is reported at once (one `ConfigError` listing them), including
-    those `checks(cfg)` returns (the trainer's registry and file-system checks)."""
+    those `checks(cfg)` returns (the trainer's registry and file-system checks). `early(problems)`
+    sees the config's own problems (keys, types, ranges) before `checks` runs: the CLI shows them
+    at once, before the checks import torch and the model code."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -54,7 +60,7 @@ def load_config(
             f"{path}: the top level must be a mapping with sections, got {type(raw).__name__}"
         )
     raw = apply_overrides(raw, overrides)
-    return config_from_dict(raw, checks=checks)
+    return config_from_dict(raw, checks=checks, early=early)
 
 
 def _one_line(exc: Exception) -> str:
@@ -85,6 +91,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 
 Checks = Callable[[TrainConfig], list[str]]
+Early = Callable[[list[str]], None]
 
 # Problems found so far by the pass in progress (`_collecting`); outside one, `_report` raises.
 _PROBLEMS: list[list[str]] = []
@@ -107,14 +114,19 @@ def _report(message: str) -> None:
         _PROBLEMS[-1].append(message)
 
 
-def config_from_dict(raw: Mapping[str, Any], *, checks: Checks | None = None) -> TrainConfig:
+def config_from_dict(
+    raw: Mapping[str, Any], *, checks: Checks | None = None, early: Early | None = None
+) -> TrainConfig:
     """Convert a nested dict into a validated `TrainConfig` (errors name the dotted key).
 
     A key with a bad value keeps its default while the rest is checked, so one `ConfigError`
-    lists every problem (`.problems`); `checks(cfg)` adds the caller's own."""
+    lists every problem (`.problems`); `checks(cfg)` adds the caller's own; `early` (if given)
+    is called with the config's own problems, if any, before `checks` runs."""
     with _collecting() as problems:
         cfg = _build(TrainConfig, raw, "")
         _validate(cfg)
+        if problems and early is not None:
+            early(list(problems))
         if checks is not None:  # a bad key kept its default above: its checks still run
             problems.extend(p for p in checks(cfg) if p not in problems)
     if problems:

@@ -1,0 +1,135 @@
+"""Hugging Face Hub ids (``org/name`` or ``org/name@revision``) resolved to local cache folders.
+
+A config names a model, tokenizer, processor or dataset either as a local folder or as a Hub id;
+`resolve_hub_path` turns an id into the snapshot folder of the standard Hugging Face cache
+(``HF_HUB_CACHE``, else ``$HF_HOME/hub``), downloading only the files a training run reads:
+configs, safetensors weights and their index, tokenizer, processor and chat-template files (no
+``.bin``/``.pt``/``.msgpack``/ONNX copies when safetensors exist). huggingface_hub does the work
+(its progress bar, resumable downloads, cache layout). Everything after that reads the folder as a
+local one.
+
+One download per node: the processes of a node serialise on a file lock in the cache, so the
+first downloads while the others wait (``timeout_s``, then a clear error), then find every file
+cached. Offline (``HF_HUB_OFFLINE=1``) only the cache is read; an id that is not there is a
+`HubError` naming the id and the cache folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+__all__ = ["HubError", "hub_cache_dir", "is_hub_id", "resolve_hub_path", "split_hub_id"]
+
+# What each kind of folder needs. Subfolders match too (fnmatch's `*` crosses `/`): diffusers
+# layouts keep `vae/config.json`, `transformer/*.safetensors`.
+_PROCESSOR_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+_WEIGHTS = {"safetensors": ["*.safetensors"], "bin": ["*.bin"]}
+_DATA_FILES = ["*.parquet", "*.arrow", "*.jsonl", "*.jsonl.gz", "*.json", "*.json.gz"]
+_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+KINDS = ("model", "processor", "dataset")
+
+
+class HubError(ValueError):
+    """A Hub id that cannot be resolved (not cached offline, unknown, not downloadable)."""
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache folder, as huggingface_hub computes it, read from the
+    environment now (HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
+    )
+    return Path(home).expanduser() / "hub"
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_hub_id(value: str) -> bool:
+    """True when ``value`` reads as ``org/name[@revision]`` and is no existing local path."""
+    if not isinstance(value, str) or os.path.exists(value) or not _ID.match(value):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value.split("@", 1)[0])
+    except HFValidationError:
+        return False
+    return True
+
+
+def split_hub_id(value: str) -> tuple[str, str | None]:
+    """``"org/name@rev"`` -> ``("org/name", "rev")``; no ``@``: revision None (the default branch)."""
+    repo, _, rev = value.partition("@")
+    return repo, rev or None
+
+
+def _patterns(kind: str, repo: str, revision: str | None, repo_type: str) -> list[str]:
+    if kind == "processor":
+        return list(_PROCESSOR_FILES)
+    if kind == "dataset":
+        return list(_DATA_FILES)
+    from huggingface_hub import HfApi
+
+    files = HfApi().list_repo_files(repo, revision=revision, repo_type=repo_type)
+    weights = "safetensors" if any(f.endswith(".safetensors") for f in files) else "bin"
+    return [*_PROCESSOR_FILES, *_WEIGHTS[weights]]
+
+
+def resolve_hub_path(value: str, *, kind: str = "model", timeout_s: float = 7200.0) -> str:
+    """The local folder for ``value``: itself when it is no Hub id, else the cache snapshot of
+    ``org/name[@revision]`` (downloaded first unless offline). ``kind``: ``model`` (configs,
+    weights, tokenizer/processor files), ``processor`` (no weights) or ``dataset`` (data files
+    of a dataset repo). Raises `HubError` with one line naming the id and the cache folder."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not is_hub_id(value):
+        return value
+    import httpx
+    from filelock import FileLock, Timeout
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    repo, revision = split_hub_id(value)
+    repo_type = "dataset" if kind == "dataset" else "model"
+    cache = hub_cache_dir()
+    if _offline():
+        try:
+            return snapshot_download(
+                repo, revision=revision, repo_type=repo_type, cache_dir=cache, local_files_only=True
+            )
+        except (LocalEntryNotFoundError, FileNotFoundError):
+            raise HubError(
+                f"{value!r} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE=1 forbids "
+                f"downloading it (download it first: hf download {repo}"
+                + (f" --revision {revision}" if revision else "")
+                + (" --repo-type dataset" if kind == "dataset" else "")
+                + "; docs/weights.md)"
+            ) from None
+    lock_dir = cache / ".locks" / "lmms"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha1(f"{repo_type}:{value}".encode()).hexdigest()[:16]
+    try:
+        with FileLock(str(lock_dir / f"{key}.lock"), timeout=timeout_s):
+            patterns = _patterns(kind, repo, revision, repo_type)
+            return snapshot_download(
+                repo, revision=revision, repo_type=repo_type, cache_dir=cache,
+                allow_patterns=patterns,
+            )  # fmt: skip
+    except Timeout:
+        raise HubError(
+            f"waited {timeout_s:.0f} s for another process of this node to download {value!r} "
+            f"into {cache} (lock {lock_dir / key}.lock): download it first (hf download {repo})"
+        ) from None
+    except (HfHubHTTPError, OSError, httpx.HTTPError) as exc:
+        first = " ".join(str(exc).split())[:300]
+        raise HubError(
+            f"{value!r} is no local path, and as a Hub {repo_type} id it cannot be downloaded "
+            f"into {cache}: {first}"
+        ) from None
