@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-
 from typing import Any
+
 from lmms_train._errors import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -70,7 +70,6 @@ def _split_args(argv: Sequence[str]) -> tuple[str, list[str]]:
     return config, overrides
 
 
-def _run(argv: list[str]) -> int:
 PLOT_USAGE = "usage: lmms-train plot RUN_DIR [--out FILE.png]"
 
 
@@ -96,13 +95,14 @@ def _subcommand_help(name: str) -> str:
     return "\n".join([usage, *what])
 
 
+def _run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_USAGE)
         return 0 if argv else 2
-    if argv[0] == "plot":
     if len(argv) > 1 and set(argv[1:]) & {"-h", "--help"} and argv[0] in _subcommand_names():
         print(_subcommand_help(argv[0]))
         return 0
+    if argv[0] == "plot":
         from lmms_train._plot import plot_run
 
         args = argv[1:]
