@@ -43,6 +43,10 @@ def config_problems(cfg: TrainConfig) -> list[str]:
         return problems
     spec = _spec_problems(cfg, problems)
     _name_problems(cfg, spec, problems)
+    if spec is not None:
+        from lmms_train._model_checks import model_problems
+
+        problems.extend(p for p in model_problems(cfg, spec) if p not in problems)
     _device_problems(cfg, problems)
     _path_problems(cfg, problems)
     _output_problems(cfg, problems)
@@ -87,10 +91,36 @@ def _name_problems(cfg: TrainConfig, spec: Any, problems: list[str]) -> None:
     if spec is not None:
         from lmms_train._data_setup import data_config
 
-        try:
-            data_config(cfg, spec)  # lmms_data's own checks: formats, mixture weights, ...
+        try:  # lmms_data's own checks (formats, mixture weights, ...), on the keys not
+            # already reported above (each problem once)
+            data_config(cfg, spec, **_reported_data_defaults(problems + _own_problems(cfg)))
         except ConfigError as exc:
             problems.extend(p for p in exc.problems if p not in problems)
+
+
+def _own_problems(cfg: TrainConfig) -> list[str]:
+    """The config's own problems (`lmms_train.config.validate`): reported by the caller."""
+    from lmms_train.config._load import validate
+
+    try:
+        validate(cfg)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def _reported_data_defaults(problems: list[str]) -> dict[str, Any]:
+    """lmms_data's defaults of the dataset_config keys that `problems` already name."""
+    import dataclasses
+
+    from lmms_data import DatasetConfig
+
+    out = {}
+    for f in dataclasses.fields(DatasetConfig):
+        named = any(p.startswith(f"dataset_config.{f.name}") for p in problems)
+        if named and f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+    return out
 
 
 def _device_problems(cfg: TrainConfig, problems: list[str]) -> None:

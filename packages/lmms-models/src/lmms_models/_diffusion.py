@@ -226,6 +226,20 @@ class DiffusionSpec(ModelSpec, GeneratesLatents):
     def sp_slice_module(self, model: nn.Module) -> nn.Module:
         return model
 
+    def config_keys(self) -> dict[str, Any]:
+        """The denoiser's keys and the frozen encoders' (a config dict or a local folder)."""
+        return {**super().config_keys(), **dict.fromkeys(self.encoder_classes)}
+
+    def check_sp(self, config: Any, sp: int) -> None:
+        """No sequence-parallel path by default (a family that splits its tokens overrides)."""
+        raise NotImplementedError(
+            f"{self.name} has no sequence-parallel path: set trainer_args.sp_ulysses_degree: 1"
+        )
+
+    def objective_capabilities(self) -> frozenset[str]:
+        """A denoiser of latents: flow matching, not a token objective."""
+        return frozenset({"latent_denoiser"})
+
     # ---------------------------------------------------------------- FLOPs
     def matmul_params(self, config: Any) -> int:
         """Parameters in a matmul per *token* (per-sample conditioning MLPs excluded)."""

@@ -66,6 +66,10 @@ class LinearAttentionMixin:
     #: MLP only, a linear-attention mixer would see this rank's rows alone
     tp_sp_plan: dict[str, str] = {}  # noqa: RUF012
 
+    def objective_capabilities(self) -> frozenset[str]:
+        """A token LM whose linear mixers are causal by construction: no masked diffusion."""
+        return frozenset({"token_lm"})
+
     def linear_mixers(self, model: nn.Module) -> list[nn.Module]:
         """The decoder's linear-attention mixer modules, in layer order."""
         raise NotImplementedError

@@ -26,6 +26,18 @@ __all__ = ["IGNORE_INDEX", "ModelSpec", "shift_labels_packed", "to_device"]
 
 IGNORE_INDEX = -100
 
+#: Config keys lmms itself reads from a family's config (masked diffusion: attention made
+#: bidirectional, the shifted layout of a dLLM export).
+_LMMS_CONFIG_KEYS = ("is_causal", "lmms_diffusion_shift")
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        both = isinstance(v, dict) and isinstance(out.get(k), dict)
+        out[k] = _deep_merge(out[k], v) if both else copy.deepcopy(v)
+    return out
+
 
 def shift_labels_packed(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``labels [T]`` shifted left within each segment; each segment's last position is ignored."""
@@ -134,6 +146,26 @@ class ModelSpec:
                 f"config says model_type={model_type!r} but spec {self.name!r} builds {cls.model_type!r}"
             )
         return cls(**cfg)
+
+    def config_keys(self) -> dict[str, Any]:
+        """Every key a config dict of this family may set, as a key tree (``{key: None or the
+        tree of a nested config}``, :func:`lmms_models._config_keys.key_tree`): what the
+        family's config object reads, found on its tiny config. Callers reject other keys."""
+        from ._config_keys import key_tree
+
+        tree = key_tree(self.make_config(self.tiny_config()))
+        return {**dict.fromkeys(_LMMS_CONFIG_KEYS), **tree}
+
+    def unknown_config_keys(
+        self, config: dict[str, Any], base: dict[str, Any] | None = None
+    ) -> list[str]:
+        """The keys of ``config`` (a user's dict over ``base``, e.g. the tiny config) that this
+        family's config ignores, each as ``'key' (did you mean 'x'?)``: not in
+        :meth:`config_keys`, and the built config is the same without them."""
+        from ._config_keys import ignored_keys
+
+        merged = _deep_merge(base or {}, config)
+        return ignored_keys(self.make_config, self.config_keys(), merged, config)
 
     @staticmethod
     def text_config(config: Any) -> Any:
@@ -468,6 +500,32 @@ class ModelSpec:
         from ._plans import check_tp_heads
 
         check_tp_heads(self.text_config(config), tp)
+
+    def check_sp(self, config: Any, sp: int) -> None:
+        """Raise (at start-up, before the model is built) unless this family runs Ulysses
+        sequence parallel at degree ``sp``. Default: the text decoder's attention heads split
+        over ``sp`` (``heads % sp == 0``; KV heads divisible by ``sp``, or fewer KV heads than
+        ``sp`` with ``sp % kv == 0``, repeated as lmms_parallel's UlyssesAttention does).
+        ``config`` None (not readable before the build): only whether the family runs SP."""
+        if config is None:
+            return
+        text = self.text_config(config)
+        heads = getattr(text, "num_attention_heads", None)
+        if heads is None:
+            return
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        if heads % sp or (kv % sp if kv >= sp else sp % kv):
+            raise ValueError(
+                f"sp_ulysses_degree {sp} must divide the {heads} attention heads and the {kv} "
+                "KV heads (or be a multiple of fewer KV heads): each SP rank attends with whole heads"
+            )
+
+    def objective_capabilities(self) -> frozenset[str]:
+        """What this family offers training objectives, matched against an objective's
+        ``requires`` before the model is built (:mod:`lmms_models.objectives`). Default:
+        ``token_lm`` (a vocabulary and an LM head on packed token rows) and
+        ``bidirectional_text`` (its text attention can be made non-causal)."""
+        return frozenset({"token_lm", "bidirectional_text"})
 
     def sp_slice_module(self, model: nn.Module) -> nn.Module:
         """The module whose ``inputs_embeds``/``position_ids`` are sliced for Ulysses SP: the text

@@ -323,6 +323,42 @@ def _validate(cfg: TrainConfig) -> None:
         "trainer_args.vision_activation_checkpointing_fraction must be in [0, 1], got "
         f"{t.vision_activation_checkpointing_fraction!r}",
     )
+    _validate_ranges(cfg)
+
+
+def _validate_ranges(cfg: TrainConfig) -> None:
+    """The numeric ranges not checked above (each value alone)."""
+    m, d, t = cfg.model_config, cfg.dataset_config, cfg.trainer_args
+    e = t.ema_decay
+    _check(
+        e is None or 0 < e < 1, f"trainer_args.ema_decay must be in (0, 1) (e.g. 0.9999), got {e!r}"
+    )
+    for key in ("tp_degree", "ep_degree"):
+        _check(getattr(t, key) >= 1, f"trainer_args.{key} must be >= 1")
+    _check(t.gc_full_collect_steps >= 0, "trainer_args.gc_full_collect_steps must be >= 0")
+    if m.lora is not None:
+        _check(m.lora.rank >= 1, f"model_config.lora.rank must be >= 1, got {m.lora.rank}")
+        _check(m.lora.alpha > 0, f"model_config.lora.alpha must be > 0, got {m.lora.alpha}")
+        _check(
+            0 <= m.lora.dropout < 1,
+            f"model_config.lora.dropout must be in [0, 1), got {m.lora.dropout}",
+        )
+    g = d.generate_synthetic
+    if g is not None:
+        for key in ("num_samples", "image_size"):
+            _check(getattr(g, key) >= 1, f"dataset_config.generate_synthetic.{key} must be >= 1")
+    for key in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels",
+                "video_max_frames", "prefetch_factor", "max_open_bins"):  # fmt: skip
+        _check(getattr(d, key) >= 1, f"dataset_config.{key} must be >= 1, got {getattr(d, key)}")
+    _check(d.min_pixels <= d.max_pixels, "dataset_config.min_pixels must be <= max_pixels")
+    _check(
+        d.video_min_pixels <= d.video_max_pixels,
+        "dataset_config.video_min_pixels must be <= video_max_pixels",
+    )
+    _check(math.isfinite(d.video_fps) and d.video_fps > 0, "dataset_config.video_fps must be > 0")
+    for key in ("shuffle_buffer", "min_records_for_ratio"):
+        _check(getattr(d, key) >= 0, f"dataset_config.{key} must be >= 0")
+    _check(d.num_epochs is None or d.num_epochs >= 1, "dataset_config.num_epochs must be >= 1")
 
 
 def config_to_dict(cfg: Any) -> Any:

@@ -7,6 +7,7 @@ into :class:`ObjectiveOutput` ``(loss_sum, count, metrics)``. New objectives reg
 """
 
 from ._base import (
+    CAPABILITIES,
     OBJECTIVE_REGISTRY,
     Objective,
     ObjectiveContext,
@@ -36,6 +37,7 @@ from .masked_diffusion import (
 )
 
 __all__ = [
+    "CAPABILITIES",
     "DLLM_LAYOUTS",
     "LLADA_MASK_TOKEN_ID",
     "OBJECTIVE_REGISTRY",

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "CAPABILITIES",
     "OBJECTIVE_REGISTRY",
     "Objective",
     "ObjectiveContext",
@@ -34,6 +35,15 @@ __all__ = [
 ]
 
 OBJECTIVE_REGISTRY: dict[str, type[Objective]] = {}
+
+#: Capabilities an objective may require of a family (``Objective.requires``) and a family
+#: states (``ModelSpec.objective_capabilities``), with what each means.
+CAPABILITIES: dict[str, str] = {
+    "token_lm": "a language model (a vocabulary and an LM head over packed token rows)",
+    "bidirectional_text": "text attention that can be made bidirectional (softmax attention)",
+    "latent_denoiser": "a denoiser of latents (a diffusion transformer)",
+    "ce_flow_heads": "text cross-entropy and flow matching on image latents in one forward",
+}
 
 _O = TypeVar("_O", bound=type)
 
@@ -95,6 +105,10 @@ class Objective:
 
     name: ClassVar[str] = ""
     Options: ClassVar[type | None] = None
+    #: What the objective needs of a model family: names from :data:`CAPABILITIES` that the
+    #: family's ``ModelSpec.objective_capabilities()`` must all include (checked by
+    #: :meth:`family_problem` before the model is built).
+    requires: ClassVar[frozenset[str]] = frozenset({"token_lm"})
 
     def __init__(self, **options: Any) -> None:
         if self.Options is None:
@@ -115,6 +129,16 @@ class Objective:
                 f"options: {', '.join(sorted(known))}"
             )
         self.options = self.Options(**options)
+
+    @classmethod
+    def family_problem(cls, spec: Any) -> str | None:
+        """Why this objective cannot train ``spec``'s family (None: it can), from what each
+        declares (:attr:`requires`, ``spec.objective_capabilities()``)."""
+        missing = sorted(cls.requires - spec.objective_capabilities())
+        if not missing:
+            return None
+        needs = " and ".join(CAPABILITIES.get(m, m) for m in missing)
+        return f"objective {cls.name!r} needs {needs}, which {spec.name} does not have"
 
     # -------------------------------------------------------------- hooks
     def prepare_model(self, spec: Any, model: nn.Module) -> None:

@@ -121,6 +121,8 @@ def mixed_terms(
 class CeFlowMatching(Objective):
     """Cross-entropy + flow matching; normalised per supervised token of either kind."""
 
+    requires = frozenset({"token_lm", "ce_flow_heads"})
+
     Options = CeFlowMatchingOptions
 
     def __init__(self, **options: Any) -> None:

@@ -36,6 +36,8 @@ def sample_seeds(run_seed: int, noise_seed: torch.Tensor) -> torch.Tensor:
 class FlowMatching(Objective):
     """Flow matching on the spec's latents; normalised per sample of the global batch."""
 
+    requires = frozenset({"latent_denoiser"})
+
     Options = fm.FlowMatchingConfig
 
     def count_tokens(self, batch: dict[str, Any]) -> int:

@@ -109,6 +109,8 @@ def draw_masks(
 class MaskedDiffusion(Objective):
     """Masked diffusion with 1/t weighting; see the module docstring for the exact loss."""
 
+    requires = frozenset({"token_lm", "bidirectional_text"})
+
     Options = MaskedDiffusionOptions
 
     def __init__(self, **options: Any) -> None:

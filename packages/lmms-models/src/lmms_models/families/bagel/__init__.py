@@ -80,6 +80,25 @@ class BagelSpec(ModelSpec, MixedGeneration):
     supports_liger = False  # its RMSNorm/SwiGLU are its own modules (no Liger plan yet)
     media_keys = ("vit_patches", "vae_latents")
 
+    def objective_capabilities(self) -> frozenset[str]:
+        """Text cross-entropy and flow matching on generation latents in one forward."""
+        return frozenset({"token_lm", "ce_flow_heads"})
+
+    def config_keys(self) -> dict[str, Any]:
+        """:class:`BagelConfig`'s keys and ``vae`` (a VAE config dict or a local file)."""
+        return {**super().config_keys(), "vae": None}
+
+    def check_sp(self, config: Any, sp: int) -> None:
+        """Ulysses SP (``_sp.py``) splits the query and the key/value heads over ``sp``."""
+        if config is None:
+            return
+        heads, kv = config.llm.num_attention_heads, config.llm.num_key_value_heads
+        if heads % sp or kv % sp:
+            raise ValueError(
+                f"sp_ulysses_degree {sp} must divide bagel's {heads} attention heads and "
+                f"{kv} key/value heads"
+            )
+
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         conf: dict[str, Any] = {
             "llm": dict(

@@ -197,6 +197,15 @@ class WanSpec(DiffusionSpec):
         """Ulysses SP over the video tokens (instance hooks; ``.remove()`` undoes them)."""
         return WanUlysses(model, sp_group).install()
 
+    def check_sp(self, config: Any, sp: int) -> None:
+        """Ulysses SP over the video tokens needs the attention heads divisible by ``sp``."""
+        heads = None if config is None else config["num_attention_heads"]
+        if heads is not None and heads % sp:
+            raise ValueError(
+                f"sp_ulysses_degree {sp} must divide wan's {heads} attention heads "
+                "(each SP rank attends with whole heads)"
+            )
+
     def tokens_per_sample(self, config: Any, latent_shape: Sequence[int]) -> int:
         pt, ph, pw = config.patch_size
         f, h, w = latent_shape[-3:]
