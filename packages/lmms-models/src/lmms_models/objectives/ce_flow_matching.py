@@ -137,8 +137,8 @@ class CeFlowMatching(Objective):
     ) -> ObjectiveOutput:
         if not isinstance(spec, MixedGeneration):
             raise TypeError(
-                f"objective ce_flow_matching needs a family of mixed understanding and "
-                f"generation rows (lmms_models.MixedGeneration); {spec.name} is not one"
+                "objective ce_flow_matching needs a unified family (understanding and "
+                f"generation in one row: lmms_models.MixedGeneration); {spec.name} is not one"
             )
         opt: CeFlowMatchingOptions = self.options
         terms = mixed_terms(
