@@ -51,7 +51,9 @@ class ModelConfig:
     """What model to train and where its tokenizer/processor comes from."""
 
     load_from_pretrained_path: str | None = _f(
-        None, "Local folder (or hub id) of a pretrained HF checkpoint to load."
+        None,
+        "Local folder, or Hugging Face Hub id (`org/name`, `org/name@revision`: downloaded once into "
+        "the HF cache; docs/weights.md), of a pretrained HF checkpoint to load.",
     )
     load_from_config: LoadFromConfig | None = _f(
         None, "Build from a config instead: `{model_type, tiny, config}`."
@@ -62,7 +64,7 @@ class ModelConfig:
     )
     processor_path: str | None = _f(
         None,
-        "Folder of the tokenizer/processor (default: `load_from_pretrained_path`).",
+        "Folder or Hub id of the tokenizer/processor (default: `load_from_pretrained_path`).",
     )
     build_local_processor: bool = _f(
         False,
@@ -120,7 +122,9 @@ class DatasetConfig:
         "Record adapter from the `lmms_data` dataset registry (`chat`: messages/LLaVA records).",
     )
     dataset_path: str | list[str] = _f(
-        "", "File, folder or glob of record shards, or a list of them (a mixture) (required)."
+        "",
+        "File, folder or glob of record shards, or a Hub dataset id (`org/name[@revision]`: its "
+        "data files, once, into the HF cache), or a list of them (a mixture) (required).",
     )
     dataset_format: str | None = _f(
         None,
@@ -140,7 +144,7 @@ class DatasetConfig:
         None, "Processor from the `lmms_data` registry (default: the model family's)."
     )
     processor_path: str | None = _f(
-        None, "Tokenizer/processor folder (default: `model_config.processor_path`)."
+        None, "Tokenizer/processor folder or Hub id (default: `model_config.processor_path`)."
     )
     packing: bool = _f(True, "Pack several samples into one padding-free row (micro-batch).")
     packing_strategy: str = _f(
