@@ -211,3 +211,18 @@ def test_hub_dataset_resumes_exactly(tmp_path, monkeypatch):
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     assert first + [ids(x) for x in itertools.islice(iter(b), 13)] == ref
     assert len({i for batch in ref for i in batch}) > 60  # both shards were read
+
+
+def test_sample_and_render_take_hub_ids(offline, capsys):
+    """The checkpoint and --processor arguments of `sample` and `render` are resolved the same
+    way: an id not in the cache is one line naming the argument, the id and the cache."""
+    for argv in (["sample", "lmms-test/not-cached", "--prompt", "hi"],
+                 ["render", "lmms-test/not-cached", "--out", "x.png"],
+                 ["sample", "lmms-test/tiny-qwen2", "--prompt", "hi",
+                  "--processor", "lmms-test/no-processor"]):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.startswith("lmms-train: error:")]
+        assert len(lines) == 1 and str(offline["cache"]) in lines[0], err
+        assert ("--processor: 'lmms-test/no-processor'" in lines[0]) == ("--processor" in argv)
+        assert "CHECKPOINT_DIR: 'lmms-test/not-cached'" in lines[0] or "--processor" in argv

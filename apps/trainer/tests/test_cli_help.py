@@ -44,10 +44,14 @@ def test_config_key_errors_come_before_heavy_imports(tmp_path):
         cli._config_problems = checks
         rc = cli.main([{str(path)!r}])
         print("rc", rc, file=sys.stderr)
+        for sub in (["check-data"], ["precompute", "--out", "x"]):  # commands reading a config
+            rc = cli.main([sub[0], {str(path)!r}, *sub[1:]])
+            print(sub[0], rc, sorted(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert lines[0] == (
         "lmms-train: error: unknown key 'trainer_args.max_stepz' (did you mean 'max_steps'?)"
     ), proc.stderr
-    assert lines[1:] == ["checks: heavy []", "rc 2"], proc.stderr
+    assert lines[1:3] == ["checks: heavy []", "rc 2"], proc.stderr
+    assert lines[3:] == [lines[0], "check-data 2 []", lines[0], "precompute 2 []"], proc.stderr

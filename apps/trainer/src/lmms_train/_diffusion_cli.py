@@ -147,10 +147,11 @@ def precompute_main(args: list[str]) -> int:
     rest, o = _options(args, ("--out", "--rows-per-shard"), PRECOMPUTE_USAGE)
     if not rest or "=" in rest[0] or "--out" not in o:
         raise UserError(PRECOMPUTE_USAGE)
-    from lmms_train._render import precompute
     from lmms_train.config import load_config
 
-    cfg = load_config(rest[0], rest[1:])
+    cfg = load_config(rest[0], rest[1:])  # config errors before the model code is imported
+    from lmms_train._render import precompute
+
     n, shards = precompute(cfg, o["--out"], rows_per_shard=int(o.get("--rows-per-shard", 512)))
     print(f"lmms-train: wrote {n} records to {shards} shard(s) in {o['--out']}", file=sys.stderr)
     return 0
