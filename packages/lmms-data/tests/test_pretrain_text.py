@@ -55,6 +55,65 @@ def test_text_corpus_packs_through_the_loader(proc, tmp_path):
             assert int(b["input_ids"][e - 1]) == proc["eos_token_id"]  # each document ends in EOS
 
 
+def _long_corpus(proc, tmp_path, packing_length=32):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(proc["path"])
+    docs = [" ".join(f"w{i}x{j}" for j in range(n)) for i, n in enumerate((70, 5, 130, 12, 40))]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    cfg = ld.DatasetConfig(dataset_path=str(path), dataset_type="text",
+                           processor_family="text_pretrain", processor_path=proc["path"],
+                           packing_length=packing_length, num_workers=0, num_epochs=1,
+                           shuffle=False, max_open_bins=2)  # fmt: skip
+    ids = [tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for d in docs]
+    return cfg, ids
+
+
+def test_long_documents_are_split_not_dropped(proc, tmp_path):
+    """A document longer than packing_length becomes consecutive chunks of packing_length
+    tokens (the last shorter), each its own segment with positions from 0; nothing is dropped
+    and no record is bad."""
+    cfg, docs = _long_corpus(proc, tmp_path)
+    assert max(len(d) for d in docs) > 3 * cfg.packing_length  # several cuts per document
+    loader = ld.build_dataloader(cfg, None)
+    segments = []
+    for b in loader:
+        cu = b["cu_seqlens"].tolist()
+        for k in range(int(b["num_samples"])):
+            seg = b["input_ids"][cu[k] : cu[k + 1]].tolist()
+            assert b["position_ids"].reshape(-1)[cu[k] : cu[k + 1]].tolist() == list(
+                range(len(seg))
+            )
+            assert b["labels"][cu[k] + 1 : cu[k + 1]].tolist() == seg[1:]  # collate: first -100
+            assert 1 <= len(seg) <= cfg.packing_length
+            segments.append(seg)
+    assert loader.metrics()["records_bad"] == 0
+    chunks = [
+        d[i : i + cfg.packing_length] for d in docs for i in range(0, len(d), cfg.packing_length)
+    ]
+    assert sorted(segments) == sorted(chunks)  # every token, each chunk exactly once
+
+
+def test_resume_inside_a_split_document_is_exact(proc, tmp_path):
+    """A state saved while some chunks of a document are not yet packed resumes them."""
+    import torch
+
+    cfg, _ = _long_corpus(proc, tmp_path)
+    mk = lambda: ld.build_dataloader(cfg, None)  # noqa: E731
+    ref = list(mk())
+    for k in range(1, len(ref)):
+        a = mk()
+        it = iter(a)
+        head = [next(it) for _ in range(k)]
+        b = mk()
+        b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        got = head + list(b)
+        assert len(got) == len(ref), k
+        for x, y in zip(got, ref, strict=True):
+            assert torch.equal(x["input_ids"], y["input_ids"]), k
+
+
 def test_local_processor_folder_for_text_pretrain(tmp_path):
     info = ld.build_local_processor(str(tmp_path / "p"), "text_pretrain")
     p = ld.build_processor("text_pretrain", info["path"])

@@ -2,10 +2,20 @@
 
 Everything a slot holds between two yielded batches is captured by ``state_dict()`` as plain data
 (ints, lists): each source's epoch / unit cursor / position, the RNG state, the shuffle buffer and
-the packer's open bins as *record references* ``[source, epoch, unit, pos]``. On resume the
-referenced records are re-read from disk and re-processed (processing is deterministic), so the
-state stays a few KB however large the media, and the resumed slot yields exactly the batches the
-uninterrupted one would have.
+the packer's open bins as *record references* ``[source, epoch, unit, pos]`` (with the chunk of a
+split document, below). On resume the referenced records are re-read from disk and re-processed
+(processing is deterministic), so the state stays a few KB however large the media, and the
+resumed slot yields exactly the batches the uninterrupted one would have.
+
+Long documents. A sample longer than ``packing_length`` from a processor that declares
+``splits_long_samples`` (text pretraining: tokens, labels and positions only) is split into
+consecutive chunks of ``packing_length`` tokens (the last one shorter), each packed as a document
+of its own: attention stays inside the chunk and positions restart at 0, as pretraining stacks
+that cut a token stream into fixed-length sequences do (Megatron-LM, torchtitan, nanoGPT): the
+model never sees a position beyond ``packing_length`` and no token is dropped; the first token of
+each later chunk is not predicted from the chunk before it (one target per cut). Any other
+sample longer than ``packing_length`` (media cannot be cut) is a ``too_long`` bad record with its
+location. The chunks not yet handed to the packer are part of the state (``pending``).
 """
 
 from __future__ import annotations
@@ -25,7 +35,26 @@ from lmms_data._registry import DATASET_REGISTRY
 from lmms_pack import StreamPacker
 
 Ref = tuple[int, int, int, int]  # (source, epoch, unit, pos)
-_STATE_VERSION = 1
+Key = tuple[int, int, int, int, int]  # (source, epoch, unit, pos, chunk): one sample
+# packer items: [*Key, length] or [*Key, length, vision tokens]
+_STATE_VERSION = 2
+_TOKEN_KEYS = ("input_ids", "labels", "position_ids")  # what a split sample holds besides length
+
+
+def split_sample(sample: dict[str, Any], size: int) -> list[dict[str, Any]]:
+    """A token-only sample cut into consecutive chunks of at most ``size`` tokens, positions
+    restarting at 0 in each (see the module docstring)."""
+    n = int(sample["length"])
+    out = []
+    for start in range(0, n, size):
+        ids = sample["input_ids"][start : start + size]
+        out.append({
+            "input_ids": ids,
+            "labels": sample["labels"][start : start + size],
+            "position_ids": np.arange(len(ids), dtype=np.int64),
+            "length": len(ids),
+        })  # fmt: skip
+    return out
 
 
 def ref_seed(ref: Ref) -> int:
@@ -116,7 +145,8 @@ class SlotStream:
         self.weights = np.asarray(w, dtype=np.float64)
         self.rng = np.random.default_rng([cfg.seed, slot, 0x5EED])
         self.buffer: list[tuple[Ref, Any, str]] = []
-        self.samples: dict[Ref, dict[str, Any]] = {}
+        self.samples: dict[Key, dict[str, Any]] = {}
+        self.pending: list[list[int]] = []  # items of a split document not yet packed
         self.stats = BadRecordStats()
         self.adapter = DATASET_REGISTRY.get(cfg.dataset_type)
         self.vision_budget = cfg.max_vision_tokens_per_pack
@@ -160,8 +190,9 @@ class SlotStream:
             return self.cfg.data_folder
         return os.path.dirname(os.path.abspath(self.sources[ref[0]].units[ref[2]].file))
 
-    def process(self, ref: Ref, raw: Any, loc: str) -> dict[str, Any]:
-        """Raw record -> sample; raises ``BadRecordError`` (with location) for bad input."""
+    def process(self, ref: Ref, raw: Any, loc: str) -> list[dict[str, Any]]:
+        """Raw record -> its samples (one, or the chunks of a split document); raises
+        ``BadRecordError`` (with location) for bad input."""
         unit = self.sources[ref[0]].units[ref[2]]
         try:
             rec = decode_raw(unit, ref[3], 0, raw)
@@ -185,20 +216,25 @@ class SlotStream:
             if "parts" in sample:  # packed model-side (BAGEL): the sample's own noise seed
                 sample["seed"] = ref_seed(ref)
             if self.cfg.packing and sample["length"] > self.cfg.packing_length:
+                splits = getattr(self.processor, "splits_long_samples", False)  # declared
+                if splits and set(sample) <= {*_TOKEN_KEYS, "length"}:
+                    return split_sample(sample, self.cfg.packing_length)
                 raise BadRecordError(
                     "too_long",
                     f"{sample['length']} tokens > packing_length {self.cfg.packing_length}",
                 )
-            return sample
+            return [sample]
         except BadRecordError as e:
             raise e.at(loc) from None
 
     def _items(self) -> Iterator[list[int]]:
         cfg = self.cfg
+        while self.pending:  # chunks of a split document that a resumed state still holds
+            yield self.pending.pop(0)
         for ref, raw, loc in self._records():
             self.stats.seen += 1
             try:
-                sample = self.process(ref, raw, loc)
+                samples = self.process(ref, raw, loc)
             except BadRecordError as e:
                 if cfg.bad_record_policy == "raise":
                     raise
@@ -212,12 +248,15 @@ class SlotStream:
                         f"{cfg.max_bad_record_ratio}: {self.stats.summary()}"
                     ) from None
                 continue
-            self.samples[ref] = sample
-            if self.vision_budget is None:
-                yield [*ref, int(sample["length"])]
-            else:  # a sample over the budget takes a whole pack's vision budget (not an error)
-                vision = min(int(sample.get("vision_tokens", 0)), self.vision_budget)
-                yield [*ref, int(sample["length"]), vision]
+            for chunk, sample in enumerate(samples):
+                self.samples[(*ref, chunk)] = sample
+                item = [*ref, chunk, int(sample["length"])]
+                if self.vision_budget is not None:  # a sample over the budget takes a whole
+                    # pack's vision budget (not an error)
+                    item.append(min(int(sample.get("vision_tokens", 0)), self.vision_budget))
+                self.pending.append(item)
+            while self.pending:
+                yield self.pending.pop(0)
 
     # ---- batches -----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -225,13 +264,13 @@ class SlotStream:
             for it in self._items():
                 self.batches += 1
                 yield collate_packed_batch(
-                    [self.samples.pop(tuple(it[:4]))], as_torch=self.as_torch
+                    [self.samples.pop(tuple(it[:5]))], as_torch=self.as_torch
                 )
             return
-        budget = None if self.vision_budget is None else (lambda it: it[5])
-        for pack in self.packer.pack(self._items(), length=lambda it: it[4], budget=budget,
+        budget = None if self.vision_budget is None else (lambda it: it[6])
+        for pack in self.packer.pack(self._items(), length=lambda it: it[5], budget=budget,
                                      flush=True):  # fmt: skip
-            samples = [self.samples.pop(tuple(it[:4])) for it in pack]
+            samples = [self.samples.pop(tuple(it[:5])) for it in pack]
             self.batches += 1
             yield collate_packed_batch(samples, as_torch=self.as_torch)
 
@@ -244,11 +283,14 @@ class SlotStream:
             "rng": self.rng.bit_generator.state,
             "buffer": [[*ref, loc] for ref, _, loc in self.buffer],
             "packer": self.packer.state_dict(),
+            "pending": [list(it) for it in self.pending],
             "stats": self.stats.to_dict(),
             "batches": self.batches,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") == 1:  # before split documents: every item is chunk 0
+            state = _upgrade_v1(state)
         if state.get("version") != _STATE_VERSION or state["slot"] != self.slot:
             raise ValueError(
                 f"data state is for slot {state.get('slot')} (version {state.get('version')}), "
@@ -260,13 +302,19 @@ class SlotStream:
         self.stats = BadRecordStats.from_dict(state["stats"])
         self.batches = state["batches"]
         self.packer.load_state_dict(state["packer"])
-        bin_refs = [tuple(it[:4]) for b in state["packer"]["bins"] for it in b["items"]]
+        self.pending = [list(it) for it in state["pending"]]
+        keys = [tuple(it[:5]) for b in state["packer"]["bins"] for it in b["items"]]
+        keys += [tuple(it[:5]) for it in self.pending]
+        bin_refs = list(dict.fromkeys(k[:4] for k in keys))
         buf = [(tuple(e[:4]), e[4]) for e in state["buffer"]]
         raws = self._reread([r for r, _ in buf] + bin_refs)
         self.buffer = [(r, raws[r], loc) for r, loc in buf]
         self.samples = {}
         for r in bin_refs:  # these records were processed fine before: re-process them
-            self.samples[r] = self.process(r, raws[r], "resume")
+            chunks = self.process(r, raws[r], "resume")
+            for k in keys:
+                if k[:4] == r:
+                    self.samples[k] = chunks[k[4]]
 
     def _reread(self, refs: list[Ref]) -> dict[Ref, Any]:
         by_unit: dict[tuple[int, int], list[int]] = {}
@@ -276,3 +324,14 @@ class SlotStream:
             key: read_at(self.sources[key[0]].units[key[1]], pos) for key, pos in by_unit.items()
         }
         return {r: got[(r[0], r[2])][r[3]] for r in refs}
+
+
+def _upgrade_v1(state: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 slot state (items ``[*ref, length(, vision)]``) as version 2 (chunk 0)."""
+    import copy
+
+    out = copy.deepcopy(state)
+    for b in out["packer"]["bins"]:
+        b["items"] = [[*it[:4], 0, *it[4:]] for it in b["items"]]
+    out["pending"], out["version"] = [], _STATE_VERSION
+    return out

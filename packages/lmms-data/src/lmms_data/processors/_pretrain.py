@@ -5,9 +5,10 @@ A corpus record is ``{"text": "<document>"}`` (JSONL, Parquet or Arrow column ``
 packing and bad-record policy as chat data. ``text_pretrain`` tokenizes the text of every part
 *without* a chat template (no role tokens), appends the tokenizer's EOS (the document boundary a
 pretrained model learns to emit) and supervises every token. Documents longer than
-``packing_length`` are bad records of reason ``too_long`` (skipped and counted by default): split
-long documents when writing the corpus, or give the processor ``max_tokens`` (dataset_config
-extra key) to keep their first tokens.
+``packing_length`` are split into consecutive chunks of ``packing_length`` tokens, each packed as
+a document of its own with positions restarting at 0 (``splits_long_samples``; the choice and
+why: :mod:`lmms_data._stream`); give the processor ``max_tokens`` (dataset_config extra key) to
+keep only their first tokens instead.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class PretrainTextProcessor:
     """Messages -> ``{input_ids [L], labels [L] (= input_ids), position_ids [L], length}``."""
 
     media_types: tuple[str, ...] = ()
+    #: a document longer than packing_length is split into chunks by the stream, not dropped
+    splits_long_samples: bool = True
 
     def __init__(self, processor: Any, *, max_tokens: int | None = None, **options: Any) -> None:
         unknown = sorted(set(options) - _MEDIA_OPTIONS)
