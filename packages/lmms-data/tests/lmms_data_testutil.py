@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
@@ -48,3 +49,29 @@ def batch_ids(batch: dict) -> list[int]:
     cu = batch["cu_seqlens"].tolist()
     ids = batch["input_ids"]
     return [int(ids[a]) for a in cu[:-1]]
+
+
+def random_png(h: int, w: int, seed: int = 0) -> bytes:
+    """A PNG of h x w random RGB pixels."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def random_video(path, *, n: int, h: int, w: int, fps: int = 4) -> str:
+    """An mpeg4 file of `n` random h x w frames at `fps` (skips the test without PyAV)."""
+    import pytest
+
+    av = pytest.importorskip("av")
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("mpeg4", rate=fps)
+        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+        rng = np.random.default_rng(0)
+        for _ in range(n):
+            frame = rng.integers(0, 255, (h, w, 3), dtype=np.uint8)
+            c.mux(s.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        c.mux(s.encode())
+    return str(path)

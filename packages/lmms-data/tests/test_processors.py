@@ -10,32 +10,11 @@ import os
 import numpy as np
 import pytest
 import torch
+from lmms_data_testutil import random_png, random_video
 from PIL import Image
 
 import lmms_data as ld
 from lmms_data import build_processor, normalise
-
-
-def _png(h, w, seed=0):
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _video(path, n=12, h=56, w=84, fps=4):
-    av = pytest.importorskip("av")
-    with av.open(str(path), "w") as c:
-        s = c.add_stream("mpeg4", rate=fps)
-        s.width, s.height, s.pix_fmt = w, h, "yuv420p"
-        rng = np.random.default_rng(0)
-        for _ in range(n):
-            f = av.VideoFrame.from_ndarray(
-                rng.integers(0, 255, (h, w, 3), dtype=np.uint8), format="rgb24"
-            )
-            c.mux(s.encode(f))
-        c.mux(s.encode())
-    return str(path)
 
 
 def _messages(img1, img2, video=None):
@@ -57,7 +36,7 @@ def _messages(img1, img2, video=None):
 def test_labels_tokens_and_hf_parity(family, proc25, proc3):
     info = proc25 if family == "qwen2_5_vl" else proc3
     p = build_processor(family, info["path"], max_pixels=28 * 28 * 64)
-    a, b = _png(70, 100, 1), _png(130, 60, 2)
+    a, b = random_png(70, 100, 1), random_png(130, 60, 2)
     s = p(_messages(a, b))
     tok = p.tokenizer
     sup = s["labels"] != -100
@@ -113,7 +92,13 @@ def test_mrope_matches_upstream_get_rope_index(family, proc25, proc3, tmp_path):
     info = proc25 if family == "qwen2_5_vl" else proc3
     p = build_processor(family, info["path"], max_pixels=28 * 28 * 64, video_max_pixels=32 * 32 * 8,
                         video_min_pixels=32 * 32, video_fps=2.0)  # fmt: skip
-    s = p(_messages(_png(70, 100), _png(130, 60), _video(tmp_path / "v.mp4")))
+    s = p(
+        _messages(
+            random_png(70, 100),
+            random_png(130, 60),
+            random_video(tmp_path / "v.mp4", n=12, h=56, w=84),
+        )
+    )
     assert s["video_grid_thw"].shape == (1, 3) and s["video_grid_thw"][0, 0] >= 2
     model = _tiny_model(family, info)
     ids = torch.from_numpy(s["input_ids"])[None]
