@@ -9,6 +9,7 @@ import yaml
 
 from lmms_train._diffusion_cli import PRECOMPUTE_USAGE, RENDER_USAGE, precompute_main, render_main
 from lmms_train._errors import ConfigError, UserError
+from lmms_train._plan import PLAN_USAGE
 
 __all__ = [
     "SUBCOMMANDS",
@@ -138,8 +139,16 @@ def sample_main(args: list[str]) -> int:
     return 0
 
 
+def plan_main(args: list[str]) -> int:
+    """`lmms-train plan CONFIG.yaml [...]`: the memory plan (lmms_train._plan)."""
+    from lmms_train._plan import plan_main as run
+
+    return run(args)
+
+
 # `lmms-train NAME --help` (cli.py); a command not named here shows its function's docstring
 USAGES = {
+    "plan": PLAN_USAGE,
     "check-data": CHECK_USAGE,
     "convert-config": CONVERT_USAGE,
     "sample": SAMPLE_USAGE,
@@ -150,6 +159,7 @@ USAGES = {
 }
 
 SUBCOMMANDS = {
+    "plan": plan_main,
     "render": render_main,
     "precompute": precompute_main,
     "sample": sample_main,

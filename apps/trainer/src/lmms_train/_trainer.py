@@ -107,6 +107,18 @@ def _build_mesh(cfg: TrainConfig, env: DistEnv) -> None:
         ) from exc
 
 
+def _memory_plan(cfg: TrainConfig, env: DistEnv, spec: Any, token_ids: Any) -> None:
+    """`trainer_args.memory` on a CUDA run: stop before building a model that would not fit,
+    or (auto) choose the fastest layout that fits (lmms_train._memory_fit)."""
+    if cfg.trainer_args.memory == "off" or env.device.type != "cuda":
+        return
+    from lmms_train._memory import device_gib
+    from lmms_train._memory_fit import memory_preflight
+
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if env.is_main else (lambda _: None)
+    memory_preflight(cfg, spec, token_ids, gpus=env.world_size, capacity_gib=device_gib(), log=log)
+
+
 def _sinks(cfg: TrainConfig, out: Path, resume_step: int | None) -> MetricsLogger:
     t = cfg.trainer_args
     sinks: list[Any] = [JsonlSink(out / "metrics.jsonl", resume_step=resume_step)]
@@ -141,6 +153,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
     token_ids = prepare_inputs(cfg, env, spec)  # synthetic data / local processor if configured
     data, eval_data = build_data(cfg, env, spec)  # reads every shard's metadata: before the model
     seed_everything(t.seed)
+    _memory_plan(cfg, env, spec, token_ids)  # may stop the run, or choose its layout (auto)
     built = build_model(cfg, env, spec, token_ids)
     if hasattr(data, "loader") and hasattr(data.loader, "set_vision_cost"):  # balancing's cost
         data.loader.set_vision_cost(functools.partial(spec.pack_vision_flops, built.hf_config))

@@ -2,6 +2,7 @@
 
     lmms-train CONFIG.yaml [section.key=value ...]      train (also: config_yaml=CONFIG.yaml)
     torchrun --nproc_per_node=N -m lmms_train CONFIG.yaml [...]
+    lmms-train plan CONFIG.yaml [--gpus N] [--gpu-mem GiB] peak GPU memory per part, before launch; the layout that fits
     lmms-train plot RUN_DIR [--out FILE.png]            loss / MFU / throughput curves
     lmms-train docs                                     print the config reference (docs/config.md)
     lmms-train render CHECKPOINT_DIR --out F.png|.gif   diffusion checkpoints: ODE samples (SiT grid, Wan clips)

@@ -11,6 +11,7 @@ from ._capabilities import GeneratesLatents, HasExperts, MixedGeneration
 from ._diffusion import DiffusionSpec, attach_encoder, get_encoder, place_encoders
 from ._flops import attention_flops
 from ._lora import LoraHandle, LoraOptions, apply_lora
+from ._memory import TowerShape, decoder_tower
 from ._moe import EXPERTS_EP_PLAN, ExpertLoadMeter, MoESpecMixin, expert_load_meter
 from ._patch_embed import PatchEmbedHandle, linear_patch_embed
 from ._registry import MODEL_REGISTRY, get_model_spec, list_models, register_model
@@ -36,10 +37,12 @@ __all__ = [
     "PatchEmbedHandle",
     "QwenVLSpec",
     "SplitVision",
+    "TowerShape",
     "VisionSplitPlan",
     "apply_lora",
     "attach_encoder",
     "attention_flops",
+    "decoder_tower",
     "expert_load_meter",
     "get_encoder",
     "get_model_spec",

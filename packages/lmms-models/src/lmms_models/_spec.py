@@ -605,5 +605,15 @@ class ModelSpec:
             skipped = head * max(0, sum(lens) - len(rows))
         return lm, float(self.media_flops(config, batch)), half, skipped
 
+    # ---------------------------------------------------------------- memory plan
+    def memory_towers(self, config: Any) -> dict[str, Any]:
+        """``{tower: lmms_models.TowerShape}`` for the memory plan (``lmms-train plan``): the
+        decoder from the text config by default; a family with a vision or audio tower adds it
+        under the name its blocks are checkpointed by (``"vision"``). Raises NotImplementedError
+        where the family's blocks are not of that shape (the plan then says so)."""
+        from ._memory import decoder_tower
+
+        return {"decoder": decoder_tower(self.text_config(config))}
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

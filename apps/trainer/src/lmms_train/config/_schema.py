@@ -360,6 +360,19 @@ class TrainerArgs:
         "fraction applies). At 32k tokens on an H200, `full` with 0.5 here and the decoder fully "
         "checkpointed was measured 8.9% faster than checkpointing every block.",
     )
+    memory: Literal["check", "auto", "off"] = _f(
+        "check",
+        "Memory plan before the model is built (`lmms-train plan` prints it): `check` stops a "
+        "run whose predicted peak does not fit the GPU, with the plan and the settings that "
+        "would make it fit; `auto` picks the fastest layout that fits (activation-checkpointing "
+        "fractions of the decoder and vision blocks, `optimizer_state_dtype`, `fsdp_cpu_offload` "
+        "as the last resort) and logs it; `off` skips the plan.",
+    )
+    memory_media_share: float = _f(
+        0.5,
+        "The memory plan's share of media placeholder tokens in a pack (images, video, audio: "
+        "their encoder runs tokens_per_media_token tokens for each); in [0, 1].",
+    )
     compile: bool = _f(
         False,
         "`torch.compile` each decoder and vision block (Inductor, dynamic shapes: new pack "

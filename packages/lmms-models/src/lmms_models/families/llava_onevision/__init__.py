@@ -128,6 +128,9 @@ _MEDIA_KEYS = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_
 @register_model("llava_onevision")
 class LlavaOnevisionSpec(ModelSpec):
     processor_family = "llava_onevision"
+    #: Liger (lmms_kernels.apply_liger): the Qwen2 decoder (SigLIP's LayerNorm and GELU MLP stay
+    #: upstream)
+    liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
     config_class = "LlavaOnevisionConfig"
     model_class = "LlavaOnevisionForConditionalGeneration"
     mask_mapping = True  # Qwen2 decoder: `isinstance(attention_mask, dict)` branch
@@ -313,6 +316,21 @@ class LlavaOnevisionSpec(ModelSpec):
             "per_patch": patch_in * hv + hv + g("num_hidden_layers") * block + 2 * hv,
             "per_token": projector,
         }
+
+    def memory_towers(self, config: Any) -> dict[str, Any]:
+        """The decoder and SigLIP (plain GELU MLP; about one patch per image token: each tile's
+        patches become its tokens, unpadded; videos pool 2x2 and take fewer)."""
+        from ..._memory import TowerShape
+
+        v = _flops._get(config, "vision_config")
+        g = lambda k: _flops._get(v, k)  # noqa: E731
+        heads = g("num_attention_heads")
+        vision = TowerShape(
+            layers=g("num_hidden_layers"), hidden=g("hidden_size"),
+            intermediate=g("intermediate_size"), heads=heads, kv_heads=heads,
+            head_dim=g("hidden_size") // heads, gated_mlp=False, tokens_per_media_token=1.0,
+        )  # fmt: skip
+        return {**super().memory_towers(config), "vision": vision}
 
     def vision_flops(self, config: Any, grid_thw: Any) -> float:
         """FLOPs of ``tiles`` SigLIP views (an int or a tensor of per-image tile counts; the

@@ -127,6 +127,11 @@ class Qwen2_5_VLSpec(QwenVLSpec):
     tp_plan = QWEN2_TP_PLAN
     tp_sp_plan = QWEN2_TP_SP_PLAN
     processor_family = "qwen2_5_vl"
+    #: Liger (lmms_kernels.apply_liger): text and vision SwiGLU
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("Qwen2_5_VLRMSNorm",),
+        "mlp": ("Qwen2MLP", "Qwen2_5_VLMLP"),
+    }
     config_class = "Qwen2_5_VLConfig"
     model_class = "Qwen2_5_VLForConditionalGeneration"
     mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch
@@ -149,6 +154,21 @@ class Qwen2_5_VLSpec(QwenVLSpec):
         merged = hv * g("spatial_merge_size") ** 2
         merger = merged * merged + merged + merged * g("out_hidden_size") + g("out_hidden_size")
         return {"per_patch": patch_in * hv + g("depth") * block + hv, "per_merged": merger}
+
+    def memory_towers(self, config: Any) -> dict[str, Any]:
+        """The decoder and the ViT (SwiGLU MLP, ``spatial_merge_size²`` patches per image
+        token)."""
+        from ..._memory import TowerShape
+
+        v = _flops._get(config, "vision_config", config)
+        g = lambda k: _flops._get(v, k)  # noqa: E731
+        vision = TowerShape(
+            layers=g("depth"), hidden=g("hidden_size"), intermediate=g("intermediate_size"),
+            heads=g("num_heads"), kv_heads=g("num_heads"),
+            head_dim=g("hidden_size") // g("num_heads"),
+            tokens_per_media_token=float(g("spatial_merge_size") ** 2),
+        )  # fmt: skip
+        return {**super().memory_towers(config), "vision": vision}
 
     def vision_flops(self, config: Any, grid_thw: Any) -> float:
         """``6·N`` per patch (blocks, patch embed) and per merged token (merger), plus attention:

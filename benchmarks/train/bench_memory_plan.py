@@ -1,0 +1,183 @@
+"""The memory plan against the measured peak, in the same run, for several families (issue 38).
+
+Each case runs the real CLI (`python -m lmms_train CONFIG`, bench_train's synthetic records and
+config) on the GPU. The prediction is the run's own: its preflight logs
+`[lmms-train] memory plan: peak X GiB allocated` before the model is built (with `memory: auto`
+after choosing the layout). The measured peak is `peak_memory_gb` of its metrics.jsonl
+(`torch.cuda.max_memory_allocated` over the whole run, optimizer state included). The plan's one
+data input, the share of media placeholder tokens in a pack, is read from the first records with
+`lmms-train check-data`'s counter before the run (the largest per-step share seen in the run is
+printed beside it).
+
+    python benchmarks/train/bench_memory_plan.py                    # every case (GPU)
+    python benchmarks/train/bench_memory_plan.py --cases text1p5b_16k qwen3_moe_16k
+    python benchmarks/train/bench_memory_plan.py --tiny --cases text1p5b_16k   # plumbing, CPU
+
+`vl3b_16k_h100` is issue 38's point 4: the Qwen2.5-VL-3B shape, every parameter trained, 16k
+tokens per step, `memory: auto` on the card it finds, compiled, issue 29's levers on; its row
+also gives tok/s and total MFU (bench_train's `summarize`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import bench_train  # beside this script
+from bench_records import make_records, write_parquet  # beside this script
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Small shapes that run in seconds per step, one per family (HF config keys)
+bench_train.CONFIGS.update(
+    {
+        "qwen3_moe_small": dict(
+            vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+            moe_intermediate_size=768, num_hidden_layers=16, num_attention_heads=16,
+            num_key_value_heads=4, head_dim=64, num_experts=32, num_experts_per_tok=4,
+            norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=40960,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        ),
+    }
+)  # fmt: skip
+NO_AC = dict(activation_checkpointing="none")
+HALF_AC = dict(activation_checkpointing="full", activation_checkpointing_fraction=0.5)
+LEVERS_ON = dict(loss_rows="labelled", gc_control=True, compile_warmup=True)
+CASES: dict[str, dict] = {
+    "vl3b_16k_h100": dict(family="qwen2_5_vl", preset="3b", T=16384, optimizer="adamw", data="vl",
+                          layout={}, compile=True, steps=14, warmup=4,
+                          trainer={"memory": "auto", **LEVERS_ON}),
+    "text1p5b_16k": dict(family="qwen2_5", preset="1.5b", T=16384, optimizer="adamw",
+                         data="text", layout=NO_AC),
+    "qwen3_1p7b_16k_halfac": dict(family="qwen3", config="qwen3_1p7b", T=16384, optimizer="adamw",
+                                  data="text", layout=HALF_AC),
+    "qwen3_moe_16k": dict(family="qwen3_moe", config="qwen3_moe_small", T=16384,
+                          optimizer="adamw", data="text", layout=NO_AC),
+    "llava_ov_0p5b_16k": dict(family="llava_onevision", preset="0.5b", T=16384, optimizer="adamw",
+                              data="vl", layout=dict(activation_checkpointing="none")),
+    "vl3b_8k_bf16state": dict(family="qwen2_5_vl", preset="3b", T=8192, optimizer="adamw",
+                              data="vl", layout=HALF_AC,
+                              trainer={"optimizer_state_dtype": "bfloat16"}),
+}  # fmt: skip
+PLAN_LINE = re.compile(r"\[lmms-train\] memory plan: peak ([0-9.]+) GiB allocated \(([^)]*)\)")
+AUTO_LINE = re.compile(r"\[lmms-train\] memory: auto chose (.*)")
+
+
+def _args(case: dict, cli: argparse.Namespace) -> argparse.Namespace:
+    """bench_train's options for one case (its config builder reads them)."""
+    return argparse.Namespace(
+        tiny=cli.tiny, warmup=case.get("warmup", 1), steps=case.get("steps", cli.steps),
+        vision_attn=None, linear_patch_embed=False, fused_master_step=None, muon_fused_step=None,
+        keep=False, fsdp=False, ga=1, compile=bool(case.get("compile")) and not cli.tiny,
+        loss_backend="auto", profile_steps=None, loss_rows=None, gc_control=False,
+        compile_warmup=False, optimizer_state_dtype=None, ac=None, ac_fraction=None,
+        vision_ac=None, vision_ac_fraction=None, case_timeout=cli.case_timeout, cold_cache=False,
+    )  # fmt: skip
+
+
+def media_share(cfg_path: Path) -> float:
+    """Media placeholder tokens over all tokens of the first 300 records (check-data's count)."""
+    from lmms_train._check_data import check_data
+    from lmms_train.config import load_config
+
+    report = check_data(load_config(str(cfg_path)), 300)
+    return sum(report.media_tokens) / max(1, sum(report.lengths))
+
+
+def run_case(name: str, case: dict, work: Path, cli: argparse.Namespace) -> dict:
+    import yaml
+
+    args = _args(case, cli)
+    cfg = bench_train.lmms_config(name, case, work, args)
+    if case["data"] == "vl":  # each family its own local processor folder
+        cfg["model_config"]["processor_path"] = str(work / f"processor_{case['family']}")
+    cfg["trainer_args"].update(case.get("trainer", {}))
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    share = media_share(path) if case["data"] == "vl" else 0.0
+    cfg["trainer_args"]["memory_media_share"] = round(share, 4)
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(sys.path[:1] + _src_paths() + [env.get("PYTHONPATH", "")])
+    code, _, stderr = bench_train._run_case(
+        [sys.executable, "-m", "lmms_train", str(path)], env, args
+    )
+    plan = PLAN_LINE.search(stderr or "")
+    auto = AUTO_LINE.search(stderr or "")
+    row = {"case": name, "family": case["family"], "T": cfg["dataset_config"]["packing_length"],
+           "media_share": round(share, 3), "auto": auto.group(1) if auto else None,
+           "predicted_gib": float(plan.group(1)) if plan else None,
+           "moment": plan.group(2) if plan else None}  # fmt: skip
+    if code != 0:
+        bench_train._save_log(name, stderr)
+        tail = (stderr or "").strip().splitlines()[-3:]
+        return {**row, "status": "error" if code is not None else "timeout",
+                "error": " | ".join(tail)[-400:]}  # fmt: skip
+    rows = [
+        json.loads(x) for x in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [r for r in rows if "tokens" in r]
+    timed = [r for r in steps if r["step"] > args.warmup]
+    measured = max(r.get("peak_memory_gb", 0.0) for r in steps)
+    shares = [r.get("vision_tokens", 0) / max(1, r["tokens"]) for r in steps]
+    row |= {
+        "status": "ok",
+        "measured_gib": round(measured, 2),
+        "max_step_share": round(max(shares), 3),
+    }
+    if row["predicted_gib"]:
+        row["error_pct"] = round(100 * (row["predicted_gib"] - measured) / measured, 1)
+    if timed:
+        s = bench_train.summarize(timed)
+        row |= {k: s[k] for k in ("steps", "tok_s", "mfu", "mfu_lm", "step_s", "step_s_median")}
+        row["mfu_all_rows"] = s.get("mfu_all_rows")
+    return row
+
+
+def _src_paths() -> list[str]:
+    return [str(p) for p in sorted(ROOT.glob("packages/*/src"))] + [str(ROOT / "apps/trainer/src")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--steps", type=int, default=3, help="steps after the first (non-VL-3B cases)")
+    p.add_argument("--records", type=int, default=1500)
+    p.add_argument("--work", default="/tmp/lmms-bench-memory")
+    p.add_argument("--case-timeout", type=int, default=300)
+    p.add_argument("--tiny", action="store_true", help="tiny models on CPU (plumbing check)")
+    cli = p.parse_args()
+    sys.path[1:1] = _src_paths()  # lmms_train in this process: check-data's counter
+    work = Path(cli.work)
+    for kind in sorted({CASES[c]["data"] for c in cli.cases}):
+        target = work / f"data_{kind}" / "train.parquet"
+        if not target.exists():
+            n = 64 if cli.tiny else cli.records
+            write_parquet(make_records(n, 0, images=kind == "vl", tiny=cli.tiny), target)
+    results = []
+    for name in cli.cases:
+        try:
+            res = run_case(name, CASES[name], work, cli)
+        except Exception as exc:  # one case's failure is a row, the others still run
+            res = {"case": name, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
+        print(json.dumps(res), flush=True)
+        results.append(res)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_memory_plan.json").write_text(json.dumps(results, indent=1))
+    cols = ["case", "status", "T", "media_share", "max_step_share", "predicted_gib",
+            "measured_gib", "error_pct", "moment", "tok_s", "mfu", "mfu_lm", "step_s"]  # fmt: skip
+    print("| " + " | ".join(cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for r in results:
+        print("| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |")
+    for r in results:
+        if r.get("auto"):
+            print(f"{r['case']}: memory: auto chose {r['auto']}")
+
+
+if __name__ == "__main__":
+    main()
