@@ -133,3 +133,43 @@ def test_paths_cannot_escape_data_folder(tmp_path, proc25):
                    slot=0, n_slots=1)  # fmt: skip
     with pytest.raises(BadRecordError, match="escapes data_folder"):
         list(s)
+
+
+@pytest.mark.parametrize(
+    ("family", "dataset_type"),
+    [("qwen2_5_vl", "chat"), ("qwen3", "chat"), ("text_pretrain", "text")],
+)
+def test_lone_surrogate_is_a_named_bad_record(tmp_path, proc25, proc3, family, dataset_type):
+    """A JSON "\\ud800" escape decodes to a lone surrogate that no tokenizer encodes: a
+    malformed_record with its line, for every processor (the check is on the common path)."""
+    bad = "hi \ud800 there"
+    if dataset_type == "text":
+        lines = [json.dumps({"text": "fine words"}), json.dumps({"text": bad})]
+    else:
+        lines = [json.dumps(_msgs([{"type": "text", "text": "ok?"}])),
+                 json.dumps(_msgs([{"type": "text", "text": bad}]))]  # fmt: skip
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    proc = proc25 if family == "qwen2_5_vl" else proc3
+    cfg = DatasetConfig(dataset_path=str(tmp_path / "data.jsonl"), dataset_type=dataset_type,
+                        packing_length=128, shuffle=False, num_epochs=1,
+                        bad_record_policy="raise")  # fmt: skip
+    s = SlotStream(cfg, discover(cfg, 1), build_processor(family, proc["path"], cfg), slot=0,
+                   n_slots=1)  # fmt: skip
+    with pytest.raises(
+        BadRecordError, match=r"malformed_record.*lone surrogate.*data.jsonl line 2"
+    ):
+        list(s)
+
+
+def test_a_processor_that_fails_on_a_record_gives_a_bad_record(tmp_path):
+    """Whatever a processor raises on one record (TypeError, KeyError, ...) is a malformed_record
+    with the record's location, not a crash of the rank."""
+    (tmp_path / "data.jsonl").write_text(json.dumps(_msgs([{"type": "text", "text": "x"}])) + "\n")
+    cfg = DatasetConfig(dataset_path=str(tmp_path / "data.jsonl"), shuffle=False, num_epochs=1)
+
+    def failing(messages):
+        raise TypeError("TextEncodeInput must be Union[...]")
+
+    s = SlotStream(cfg, discover(cfg, 1), failing, slot=0, n_slots=1)
+    assert list(s) == [] and s.stats.bad == {"malformed_record": 1}
+    assert "data.jsonl line 1: the processor failed: TypeError" in s.stats.examples[0]

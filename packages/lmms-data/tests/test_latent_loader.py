@@ -106,3 +106,44 @@ def test_clips_frame_buckets_and_too_few_frames(tmp_path) -> None:
     short = build_latent_loader({**_cfg(path, image_buckets=[[16, 16]], frame_buckets=[9]),
                                  "num_epochs": 1}, tokenizer=tok)  # fmt: skip
     assert list(short) == [] and short.metrics()["bad/too_few_frames"] == 4
+
+
+def test_bad_labels_latents_and_lines_are_named_bad_records(tmp_path) -> None:
+    """Labels that are not an integer in [0, num_classes), latents that are not .npy, a line
+    that is not an object: each a bad record named by file and line, never a crash."""
+    good = npy_bytes(np.zeros((4, 2, 2), np.float32))
+    cfg = {**_cfg(str(tmp_path / "labels.parquet")), "shuffle": False, "num_epochs": 1}
+    mixed = [{"latents": good, "label": v} for v in (0, 99, -1, 3, 1)] + [
+        {"latents": b"junk", "label": 1}
+    ]
+    pq.write_table(pa.Table.from_pylist(mixed), tmp_path / "labels.parquet")
+    loader = build_latent_loader(cfg, num_classes=4)
+    got = [int(x) for b in loader for x in b["class_labels"]]
+    assert got == [0, 3]  # 1 waits alone in its bucket at the end (batch_size 2): not yielded
+    m = loader.metrics()
+    assert m["bad/bad_label"] == 2 and m["bad/malformed_record"] == 1, m
+    with pytest.raises(BadRecordError, match=r"bad_label.*99.*labels\.parquet row group 0 row 1"):
+        list(build_latent_loader({**cfg, "bad_record_policy": "raise"}, num_classes=4))
+    # a JSONL file: a string label and a line that is not an object, named by line number
+    (tmp_path / "a.png").write_bytes(_png(16, 16))
+    path = tmp_path / "j.jsonl"
+    path.write_text('{"image": "a.png", "label": "cat"}\n\n5\n{"image": "a.png", "label": true}\n')
+    cfg = {**_cfg(str(path), image_buckets=[[16, 16]]), "shuffle": False, "num_epochs": 1}
+    with pytest.raises(BadRecordError, match=r"bad_label.*'cat'.*j\.jsonl line 1"):
+        list(build_latent_loader({**cfg, "bad_record_policy": "raise"}))
+    loader = build_latent_loader(cfg)
+    assert list(loader) == [] and loader.metrics()["records_bad"] == 3
+    assert any("j.jsonl line 3" in e for e in loader.stats.examples)  # the line "5"
+
+
+def test_replaced_dataset_does_not_resume_silently(tmp_path) -> None:
+    from lmms_data import DatasetChangedError
+
+    path = generate_synthetic_shapes(str(tmp_path), 12, image_size=16, rows_per_group=4)
+    cfg = _cfg(path, batch_size=2, image_buckets=[[16, 16]])
+    a = build_latent_loader(cfg)
+    next(iter(a))
+    state = a.state_dict()
+    generate_synthetic_shapes(str(tmp_path), 20, image_size=16, rows_per_group=4)  # replaced
+    with pytest.raises(DatasetChangedError, match="bytes"):
+        build_latent_loader(cfg).load_state_dict(state)

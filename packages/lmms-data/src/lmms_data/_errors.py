@@ -16,6 +16,7 @@ BAD_REASONS = (
     "missing_media",  # media file does not exist (or escapes data_folder)
     "bad_image",  # unreadable / corrupt image
     "bad_video",  # unreadable / corrupt video
+    "bad_label",  # a class label that is not an integer in [0, num_classes) (diffusion data)
     "too_few_frames",  # a clip shorter than the smallest frame bucket (diffusion data)
     "bad_aspect",  # an image/clip far from every resolution bucket's aspect (diffusion data)
     "bad_audio",  # unreadable / corrupt audio

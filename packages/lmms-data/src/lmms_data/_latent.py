@@ -21,7 +21,14 @@ Order and resume: each epoch permutes the row groups (blocks) and the rows insid
 from ``(seed, epoch)``; rank ``r`` takes every ``dp_world``-th record. The state is the epoch, the
 cursor, the records waiting in partly filled buckets (re-read on resume) and the bad-record
 counts, so a resumed run yields the same batches. ``noise_seed`` of a sample is a hash of
-``(epoch, record index)``: the flow-matching objective's draws replay bit for bit.
+``(epoch, record index)``: the flow-matching objective's draws replay bit for bit. The state also
+holds the files' fingerprint (name and size of each, as ``lmms_data.dataset_fingerprint``): a
+resume on a replaced dataset raises ``DatasetChangedError`` instead of reading other records.
+
+Every record-level failure is a bad record named by its file and line (JSONL) or row group and
+row (Parquet), never a crash: a record that is not an object, latents or text embeddings that are
+not ``.npy`` arrays, a caption that is not valid Unicode, a class label that is not an integer in
+``[0, num_classes)`` (``bad_label``; ``num_classes`` comes from the model, e.g. SiT's config).
 """
 
 from __future__ import annotations
@@ -38,10 +45,12 @@ import pyarrow.parquet as pq
 from lmms_data._config import DatasetConfig
 from lmms_data._errors import BadRecordError, BadRecordRatioExceeded, BadRecordStats
 from lmms_data._media import decode_video, load_image
+from lmms_data._records import check_text
 
 __all__ = ["LatentLoader", "build_latent_loader", "npy_bytes", "npy_load"]
 
 _STATE_VERSION = 1
+_DECODE_ERRORS = (ValueError, TypeError, OSError, EOFError)  # np.load on bytes that are not .npy
 _MASK = 0x7FFF_FFFF_FFFF_FFFF
 
 
@@ -54,6 +63,49 @@ def npy_bytes(a: np.ndarray) -> bytes:
 
 def npy_load(b: bytes) -> np.ndarray:
     return np.load(io.BytesIO(b), allow_pickle=False)
+
+
+def _array(value: Any, what: str) -> np.ndarray:
+    """A record's ``.npy`` field as float32, or a ``malformed_record`` bad record."""
+    try:
+        return npy_load(value).astype(np.float32)
+    except _DECODE_ERRORS as e:
+        raise BadRecordError("malformed_record", f"{what} is not an .npy array: {e}") from None
+
+
+def _label(value: Any, num_classes: int | None) -> np.int64:
+    """A class label: an integer (not a bool) in ``[0, num_classes)``, else ``bad_label``."""
+    ok = isinstance(value, int | np.integer) and not isinstance(value, bool)
+    if ok and num_classes is not None and not 0 <= int(value) < num_classes:
+        ok = False
+    if not ok:
+        within = f" in [0, {num_classes})" if num_classes is not None else ""
+        raise BadRecordError("bad_label", f"class label {value!r} is not an integer{within}")
+    return np.int64(value)
+
+
+def _list_files(path: str) -> list[str]:
+    import glob
+    import os
+
+    if os.path.isdir(path):
+        return sorted(
+            f for f in glob.glob(os.path.join(path, "*")) if f.endswith((".parquet", ".jsonl"))
+        )
+    return sorted(glob.glob(path)) or [path]
+
+
+def latent_fingerprint(paths: list[str]) -> list[list[list[Any]]]:
+    """Per path, ``[name, size]`` of each file (names relative to the path, as
+    ``lmms_data.dataset_fingerprint``)."""
+    import os
+
+    out = []
+    for path in paths:
+        files = _list_files(path)
+        base = path if os.path.isdir(path) else os.path.dirname(os.path.commonpath(files))
+        out.append([[os.path.relpath(f, base), os.path.getsize(f)] for f in files])
+    return out
 
 
 def _mix(x: int) -> int:
@@ -69,42 +121,44 @@ class _Records:
     line range) with their sizes; reads cache the last Parquet row group."""
 
     def __init__(self, paths: list[str]) -> None:
-        import glob
-        import os
-
-        files: list[str] = []
-        for p in paths:
-            if os.path.isdir(p):
-                files += sorted(
-                    f for f in glob.glob(os.path.join(p, "*")) if f.endswith((".parquet", ".jsonl"))
-                )
-            else:
-                files += sorted(glob.glob(p)) or [p]
+        files = [f for p in paths for f in _list_files(p)]
         if not files:
             raise ValueError(f"no .parquet/.jsonl files under {paths}")
         self.blocks: list[tuple[str, int, list[int] | None]] = []  # (file, row group, offsets)
         self.sizes: list[int] = []
+        self.lines: list[list[int] | None] = []  # JSONL: the line number of each record
         for f in files:
             if f.endswith(".parquet"):
                 meta = pq.ParquetFile(f).metadata
                 for g in range(meta.num_row_groups):
                     self.blocks.append((f, g, None))
                     self.sizes.append(meta.row_group(g).num_rows)
+                    self.lines.append(None)
             else:
-                offsets, pos = [], 0
+                offsets, lines, pos = [], [], 0
                 with open(f, "rb") as fh:
-                    for line in fh:
+                    for n, line in enumerate(fh, 1):
                         if line.strip():
                             offsets.append(pos)
+                            lines.append(n)
                         pos += len(line)
                 for lo in range(0, len(offsets), 256):  # 256-line blocks
                     self.blocks.append((f, -1, offsets[lo : lo + 256]))
                     self.sizes.append(len(offsets[lo : lo + 256]))
+                    self.lines.append(lines[lo : lo + 256])
         self.base = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         self._cache: tuple[tuple[str, int], list[dict]] | None = None
 
     def __len__(self) -> int:
         return int(self.base[-1])
+
+    def location(self, index: int) -> str:
+        """Where record ``index`` is: ``file line N`` (JSONL) or ``file row group G row R``."""
+        b = int(np.searchsorted(self.base, index, side="right") - 1)
+        f, g, _ = self.blocks[b]
+        row = index - int(self.base[b])
+        lines = self.lines[b]
+        return f"{f} line {lines[row]}" if lines is not None else f"{f} row group {g} row {row}"
 
     def read(self, index: int) -> dict[str, Any]:
         b = int(np.searchsorted(self.base, index, side="right") - 1)
@@ -115,9 +169,12 @@ class _Records:
                 fh.seek(offsets[row])
                 line = fh.readline()
             try:
-                return json.loads(line)
+                rec = json.loads(line)
             except ValueError as e:
-                raise BadRecordError("malformed_json", f"not JSON: {e}", f"{f} record") from None
+                raise BadRecordError("malformed_json", f"not JSON: {e}") from None
+            if not isinstance(rec, dict):
+                raise BadRecordError("malformed_record", f"a {type(rec).__name__}, not an object")
+            return rec
         if self._cache is None or self._cache[0] != (f, g):
             self._cache = ((f, g), pq.ParquetFile(f).read_row_group(g).to_pylist())
         return self._cache[1][row]
@@ -134,6 +191,7 @@ class LatentLoader:
         dp_world: int = 1,
         tokens_fn: Callable[[tuple[int, ...]], int] | None = None,
         tokenizer: Any = None,
+        num_classes: int | None = None,
     ) -> None:
         import os
 
@@ -149,6 +207,8 @@ class LatentLoader:
             raise ValueError(f"dataset_config.extra: unknown latent-loader keys {sorted(ex)}")
         paths = [cfg.dataset_path] if isinstance(cfg.dataset_path, str) else cfg.dataset_path
         self.records = _Records(list(paths))
+        self.fingerprint = latent_fingerprint(list(paths))
+        self.num_classes = num_classes
         self.data_folder = cfg.data_folder or os.path.dirname(os.path.abspath(
             self.records.blocks[0][0]))  # fmt: skip
         self.tokens_fn = tokens_fn or (lambda shape: int(np.prod(shape[1:])))
@@ -218,7 +278,7 @@ class LatentLoader:
         rec = self.records.read(index)
         s: dict[str, Any] = {}
         if rec.get("latents") is not None:
-            s["latents"] = npy_load(rec["latents"]).astype(np.float32)
+            s["latents"] = _array(rec["latents"], "latents")
         elif rec.get("video") is not None:
             clip = decode_video(self._media(rec["video"]), fps=self.video_fps,
                                 max_frames=self.frame_buckets[-1], multiple=1)  # fmt: skip
@@ -237,13 +297,13 @@ class LatentLoader:
             raise BadRecordError("malformed_record", "no latents, image or video")
         label = rec.get("label", rec.get("class_label"))
         if label is not None:
-            s["class_labels"] = np.int64(label)
+            s["class_labels"] = _label(label, self.num_classes)
         if rec.get("text_embeds") is not None:
-            s["text_embeds"] = npy_load(rec["text_embeds"]).astype(np.float32)  # [L, D]
+            s["text_embeds"] = _array(rec["text_embeds"], "text_embeds")  # [L, D]
         elif rec.get("caption") is not None:
             if self.tokenizer is None:
                 raise ValueError("caption records need a tokenizer (processor_path) or text_embeds")
-            tok = self.tokenizer(rec["caption"], max_length=self.text_max_length,
+            tok = self.tokenizer(check_text(rec["caption"], "caption"), max_length=self.text_max_length,
                                  padding="max_length", truncation=True)  # fmt: skip
             s["input_ids"] = np.asarray(tok["input_ids"], dtype=np.int64)
             s["attention_mask"] = np.asarray(tok["attention_mask"], dtype=np.int64)
@@ -287,7 +347,7 @@ class LatentLoader:
             try:
                 sample = self._sample(index, self.epoch)
             except BadRecordError as e:
-                e = e.at(f"record {index}")
+                e = e.at(self.records.location(index))
                 if self.cfg.bad_record_policy == "raise":
                     raise e from None
                 self.stats.add(e)
@@ -314,7 +374,7 @@ class LatentLoader:
             "version": _STATE_VERSION, "dp_rank": self.dp_rank, "dp_world": self.dp_world,
             "epoch": self.epoch, "cursor": self.cursor,
             "pending": {k: list(v) for k, v in self.pending.items()},
-            "stats": self.stats.to_dict(),
+            "stats": self.stats.to_dict(), "fingerprint": self.fingerprint,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -323,6 +383,11 @@ class LatentLoader:
             self.dp_world,
         ):
             raise ValueError("latent loader state is for another layout: resume with the same one")
+        saved = state.get("fingerprint")  # absent in states written before it was recorded
+        if saved is not None and saved != self.fingerprint:
+            from lmms_data._loader import DatasetChangedError, _fingerprint_changes
+
+            raise DatasetChangedError(_fingerprint_changes(saved, self.fingerprint))
         self.epoch, self.cursor = state["epoch"], state["cursor"]
         self.stats = BadRecordStats.from_dict(state["stats"])
         self.pending = {k: list(v) for k, v in state["pending"].items()}
@@ -344,13 +409,15 @@ def build_latent_loader(
     dp_world: int = 1,
     tokens_fn: Callable[[tuple[int, ...]], int] | None = None,
     tokenizer: Any = None,
+    num_classes: int | None = None,
 ) -> LatentLoader:
     """Latent batches for ``dp_rank`` (see the module docstring); ``tokens_fn(shape)``: the
-    transformer tokens of one sample whose latents/pixels have ``shape`` (FLOPs, throughput)."""
+    transformer tokens of one sample whose latents/pixels have ``shape`` (FLOPs, throughput);
+    ``num_classes``: class labels must lie in ``[0, num_classes)`` (else ``bad_label``)."""
     cfg = (
         DatasetConfig.from_dict(dataset_config)
         if isinstance(dataset_config, dict)
         else dataset_config
     )
     return LatentLoader(cfg, dp_rank=dp_rank, dp_world=dp_world, tokens_fn=tokens_fn,
-                        tokenizer=tokenizer)  # fmt: skip
+                        tokenizer=tokenizer, num_classes=num_classes)  # fmt: skip

@@ -170,6 +170,24 @@ def _has_inline(messages: list[dict], t: str) -> bool:
     return any(p["type"] == t for m in messages for p in m["content"])
 
 
+def check_text(text: Any, what: str) -> str:
+    """``text`` if it is a string of valid Unicode; else a ``malformed_record`` bad record (a
+    JSON ``"\\ud800"`` escape decodes to a lone surrogate, which no tokenizer can encode)."""
+    if not isinstance(text, str):
+        raise BadRecordError(
+            "malformed_record", f"{what} must be a string, got {type(text).__name__}"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRecordError(
+            "malformed_record",
+            f"{what} is not valid Unicode: {text[e.start : e.end]!r} (a lone surrogate) at "
+            f"character {e.start}",
+        ) from None
+    return text
+
+
 def normalise(rec: dict[str, Any]) -> list[dict[str, Any]]:
     """Any supported record -> validated messages (media values not yet resolved)."""
     if rec.get("messages") is not None:
@@ -181,6 +199,10 @@ def normalise(rec: dict[str, Any]) -> list[dict[str, Any]]:
             "malformed_record",
             f"no 'messages' or 'conversations' (keys: {sorted(rec)[:8]}); accepted: {ACCEPTED_RECORDS}",
         )
+    for m in messages:
+        for p in m["content"]:
+            if p["type"] == "text":
+                check_text(p["text"], f"{m['role']} text")
     if not any(p["type"] != "text" or p["text"].strip() for m in messages for p in m["content"]):
         raise BadRecordError("empty_conversation", "the conversation has no content")
     if not any(m["role"] == "assistant" and m["content"] for m in messages):

@@ -212,7 +212,16 @@ class SlotStream:
                         part[t] = resolve_media(
                             part[t], t, base, allow_absolute=self.cfg.allow_absolute_paths
                         )
-            sample = self.processor(messages)
+            try:
+                sample = self.processor(messages)
+            except (ValueError, TypeError, KeyError, IndexError) as e:
+                if isinstance(e, BadRecordError):
+                    raise
+                # what a processor or tokenizer raises on a record it cannot take (wrong types,
+                # odd media): a bad record named by its location, not a crash of every rank
+                raise BadRecordError(
+                    "malformed_record", f"the processor failed: {type(e).__name__}: {e}"
+                ) from None
             if "parts" in sample:  # packed model-side (BAGEL): the sample's own noise seed
                 sample["seed"] = ref_seed(ref)
             if self.cfg.packing and sample["length"] > self.cfg.packing_length:
