@@ -25,7 +25,21 @@ SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
     ("qwen3_vl", "upstream_merge", {"host_merge": False}),  # deepstack as upstream's bool mask
     *[(name, "split", {}) for name in MEDIA_FAMILIES],
     ("qwen2_5_vl", "split_few", {}),
+    ("qwen2_5_vl", "lora", {}),  # peft's LoRA layers on the decoder (lmms_models.apply_lora)
 ]
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def _lora(spec, model) -> Any:
+    """Adapters on the decoder, ``B`` given values (it starts at zero: no gradient reaches A)."""
+    from lmms_models import LoraOptions, apply_lora
+
+    handle = apply_lora(spec, model, LoraOptions(**LORA), seed=3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.linspace(-0.05, 0.05, p.numel()).reshape(p.shape))
+    return handle
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -49,6 +63,8 @@ def scenario(
     from lmms_models import SplitVision
 
     spec, model, batch = tiny_pack(name, 4 if label == "split_few" else None)
+    if label == "lora":
+        _lora(spec, model)
     saved = {k: getattr(spec, k) for k in attrs}
     for k, v in attrs.items():
         setattr(spec, k, v)
@@ -76,6 +92,46 @@ def scenario(
             setattr(spec, k, v)
 
 
+def lora_fsdp(pair: Any) -> dict[str, Any]:
+    """FSDP2 over a rank pair with adapters, built as the trainer does: on meta, adapters
+    injected, sharded (frozen base and trainable adapters in the same units), materialised, then
+    the base weights renamed for the adapters plus the initial adapters broadcast from the pair's
+    first rank. The loss and the adapters' gradients equal the one-process adapted model's."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    spec, model, batch = tiny_pack("qwen2_5_vl")
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    _lora(spec, model)
+    ref_loss, ref = _step(spec, model, batch, None)
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    with lp.meta_init():
+        sharded = spec.build(config=spec.tiny_config(), device="meta", attn_backend="varlen_sdpa")
+    handle = _lora(spec, sharded)
+    mesh = DeviceMesh.from_group(pair, "cpu")
+    blocks = spec.vision_blocks(sharded) + spec.decoder_blocks(sharded) + spec.embeddings(sharded)
+    lp.apply_fsdp(sharded, mesh, blocks=blocks, param_dtype=None)
+    lp.materialize(sharded, "cpu")
+    state = handle.adapted_state(base, seed=3)
+    state.update({k: v for k, v in full.items() if ".lora_B." in k})  # the values given to B
+    lp.load_full_state_dict(sharded, state if dist.get_rank(pair) == 0 else None)
+    sharded.zero_grad(set_to_none=True)
+    sharded.forward = lambda **_: spec.packed_forward(sharded, batch)  # through FSDP2's root
+    try:
+        loss, count = sharded(lmms_root_call=True)
+    finally:
+        del sharded.forward
+    # both ranks ran the same row: the global normaliser counts it twice (FSDP2 sums gradients)
+    (loss / (2 * count)).backward()
+    grads = {k: p.grad.full_tensor() for k, p in sharded.named_parameters() if p.grad is not None}
+    worst = max(float((grads[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-6)) for k in ref)
+    return {
+        "loss_sp1": ref_loss,
+        "loss": float(loss / count),
+        "same_params": sorted(grads) == sorted(ref) and all(".lora_" in k for k in ref),
+        "worst_rel_grad": worst,
+    }
+
+
 def run(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -89,6 +145,10 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
                 results[f"{name}/{label}"] = scenario(name, label, attrs, groups)
             except Exception:
                 results[f"{name}/{label}"] = {"error": traceback.format_exc()}
+        try:
+            results["lora_fsdp"] = lora_fsdp(pairs[rank // 2])
+        except Exception:
+            results["lora_fsdp"] = {"error": traceback.format_exc()}
     finally:
         Path(out_dir, f"sp_rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()

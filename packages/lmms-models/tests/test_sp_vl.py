@@ -52,3 +52,13 @@ def test_sp_matches_sp1(results, case, sp):
             assert len(run["shares"]) == sp and min(run["shares"]) > 0, run["shares"]
         if case.endswith("/split_few") and sp == 4:  # 2 images for 4 ranks: 2 empty shares
             assert sorted(run["shares"])[:2] == [0.0, 0.0], run["shares"]
+
+
+def test_lora_fsdp2_matches_one_process(results):
+    """Adapters under FSDP2 (2 ranks, meta-device build, weights broadcast) == one process."""
+    for rank, res in enumerate(results):
+        got = res["lora_fsdp"]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["loss"] == pytest.approx(got["loss_sp1"], rel=1e-5, abs=1e-6), rank
+        assert got["same_params"], rank
+        assert got["worst_rel_grad"] < 1e-4, (rank, got["worst_rel_grad"])

@@ -66,17 +66,36 @@ def export_run(
     weights: nn.Module | None,
     processor_path: str | None,
     dtype: str = "auto",
+    adapter: Any = None,
+    adapter_dir: str | Path | None = None,
 ) -> Path | None:
     """Write the complete HF folder (rank 0 returns it; other ranks return None).
 
     `dtype`: `auto` keeps the masters' dtype (fp32 for a bf16 run), or `float32` / `bfloat16` /
     `float16`; `config.json` then names the same dtype, so `from_pretrained(dtype="auto")` loads
     the weights as written.
+
+    `adapter` (lmms_models.LoraHandle, `model_config.lora`): `out_dir` gets the adapters merged
+    into the upstream weights, and `adapter_dir` (if given) peft's adapter folder
+    (`adapter_config.json` + `adapter_model.safetensors`, fp32 unless `dtype` says otherwise).
     """
     from lmms_parallel import export_hf
 
     torch_dtype = None if dtype == "auto" else EXPORT_DTYPES[dtype]
-    out = export_hf(model, out_dir, weights=weights, dtype=torch_dtype)
+    transform = None
+    if adapter is not None:
+
+        def transform(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if adapter_dir is not None:
+                cast = {
+                    k: v.to(torch_dtype) if torch_dtype is not None and v.is_floating_point() else v
+                    for k, v in full.items()
+                    if ".lora_" in k
+                }  # fmt: skip
+                adapter.save_adapter(cast, adapter_dir)
+            return adapter.merged_state(full)
+
+    out = export_hf(model, out_dir, weights=weights, dtype=torch_dtype, transform=transform)
     if out is None:
         return None
     if torch_dtype is not None:

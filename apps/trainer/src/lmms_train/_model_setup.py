@@ -22,6 +22,7 @@ from torch import nn
 
 from lmms_train._dist import DistEnv
 from lmms_train._errors import ConfigError, UserError, suggest
+from lmms_train._lora_setup import adapted_weights, apply_model_lora, check_lora, quantize_model_base
 from lmms_train.config import TrainConfig
 
 __all__ = ["BuiltModel", "ac_plan", "build_model", "build_objective", "deep_merge", "resolve_spec"]
@@ -36,6 +37,7 @@ class BuiltModel:
     handles: list[Any]  # patch/AC handles kept alive for the run
     master: Any = None  # lmms_parallel.MasterWeights when bf16 without FSDP2
     objective: Any = None  # lmms_models.objectives.Objective, prepared on this model
+    adapter: Any = None  # lmms_models.LoraHandle under `model_config.lora`
 
     @property
     def state_module(self) -> nn.Module:
@@ -209,6 +211,7 @@ def build_model(
     if t.fsdp_cpu_offload and not env.fsdp:
         raise ConfigError("trainer_args.fsdp_cpu_offload needs FSDP: set trainer_args.fsdp: true")
     _check_frozen_encoders(spec, env, t)
+    check_lora(cfg, env)  # before the build: e.g. a 4-bit base on CPU
     handles: list[Any] = []
     meta = env.fsdp and m.load_from_pretrained_path is not None
     weights: Any = m.load_from_pretrained_path  # what rank 0 broadcasts into the shards
@@ -258,6 +261,7 @@ def build_model(
         objective.prepare_model(spec, model)  # e.g. bidirectional attention, before any wrapping
     except (ValueError, NotImplementedError) as exc:
         raise ConfigError(f"model_config.objective {m.objective!r}: {exc}") from None
+    adapter = apply_model_lora(cfg, spec, model)  # inside the blocks FSDP2 and AC wrap
     frozen = _freeze(model, spec, t.freeze)
     if t.linear_patch_embed:
         from lmms_models import linear_patch_embed
@@ -298,6 +302,8 @@ def build_model(
             key_map = pretrained_key_map(weights) if isinstance(weights, str) else None  # LLaDA
             if isinstance(weights, str) and env.rank == 0:  # a path, or read by the family
                 weights = spec.pretrained_weights(weights)  # (e.g. an Omni thinker)
+            if adapter is not None and env.rank == 0:  # base keys renamed, initial adapters
+                weights, key_map = adapted_weights(adapter, weights, key_map, t.seed), None
             load_full_state_dict(model, weights if env.rank == 0 else None, key_map=key_map)
             del weights
     _place_frozen_encoders(model, spec, env, t)
@@ -306,9 +312,10 @@ def build_model(
         from lmms_parallel import MasterWeights
 
         master = MasterWeights(model, torch.bfloat16)
+    quantize_model_base(cfg, adapter)  # QLoRA: the frozen base of the adapted layers in NF4
     return BuiltModel(
         spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles,
-        master=master, objective=objective,
+        master=master, objective=objective, adapter=adapter,
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from ._attention import UPSTREAM_BACKENDS, set_attention, text_attention_kwargs
 from ._capabilities import GeneratesLatents, HasExperts, MixedGeneration
 from ._diffusion import DiffusionSpec, attach_encoder, get_encoder, place_encoders
 from ._flops import attention_flops
-from ._lora import LoraHandle, LoraOptions, apply_lora
+from ._lora import LoraHandle, LoraOptions, apply_lora, quantize_base_nf4
 from ._memory import TowerShape, decoder_tower
 from ._moe import EXPERTS_EP_PLAN, ExpertLoadMeter, MoESpecMixin, expert_load_meter
 from ._patch_embed import PatchEmbedHandle, linear_patch_embed
@@ -49,6 +49,7 @@ __all__ = [
     "linear_patch_embed",
     "list_models",
     "place_encoders",
+    "quantize_base_nf4",
     "register_model",
     "set_attention",
     "shift_labels_packed",

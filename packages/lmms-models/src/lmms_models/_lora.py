@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LoraHandle", "LoraOptions", "apply_lora"]
+__all__ = ["LoraHandle", "LoraOptions", "apply_lora", "quantize_base_nf4"]
 
 TOWER_CHOICES = ("lora", "frozen", "full")
 _ADAPTER = "default"  # peft's adapter name (stripped from the exported keys, as peft does)
@@ -286,3 +286,27 @@ def apply_lora(spec: Any, model: nn.Module, opts: LoraOptions, *, seed: int = 0)
     if not any(p.is_meta for p in model.parameters()):
         handle.reset_adapters(seed)
     return handle
+
+
+def quantize_base_nf4(handle: LoraHandle, *, block_size: int = 64) -> int:
+    """QLoRA: replace the frozen base weight of every adapted linear by torchao's ``NF4Tensor``
+    (4-bit NormalFloat, blocks of ``block_size`` with double-quantised scales; ~0.53 bytes per
+    weight). ``F.linear`` on it dequantises to the input's dtype (torchao's ``linear_nf4``), so
+    peft's layer runs unchanged and gradients reach the adapters and the input, never the base.
+    Call on the materialised model, before any optimizer is built. A weight whose size does not
+    split into whole scaler blocks (tiny test shapes) stays as it is. Returns how many were
+    quantised. ``pip install 'lmms-models[qlora]'``."""
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError as exc:  # pragma: no cover
+        raise ImportError("QLoRA needs torchao: pip install 'lmms-models[qlora]'") from exc
+    done = 0
+    for layer in handle._layers:
+        base = layer.base_layer
+        w = base.weight
+        blocks = w.numel() // block_size
+        if w.numel() % block_size or blocks % 256:
+            continue
+        base.weight = nn.Parameter(to_nf4(w.detach(), block_size, 256), requires_grad=False)
+        done += 1
+    return done

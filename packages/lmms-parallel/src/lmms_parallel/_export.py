@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,6 +55,7 @@ def export_hf(
     dtype: torch.dtype | None = None,
     max_shard_size: str = "5GB",
     weights: nn.Module | None = None,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> Path | None:
     """Write ``out_dir`` loadable by ``from_pretrained``; returns it on rank 0, ``None`` elsewhere.
 
@@ -63,6 +65,8 @@ def export_hf(
         weights: the module whose state dict is written, when it is not ``model`` itself (e.g.
             ``MasterWeights.state_module()``: the fp32 masters of a bf16 model); ``model`` still
             provides ``save_pretrained`` and the config.
+        transform: on rank 0, maps the gathered full state dict to the one written (e.g. LoRA
+            adapters merged into the upstream weights: ``lmms_models.LoraHandle.merged_state``).
     """
     full = gather_full_state_dict(model if weights is None else weights)
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -70,6 +74,8 @@ def export_hf(
         return None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if transform is not None:
+        full = transform(full)
     if dtype is not None:
         full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
     save_pretrained = getattr(_unwrapped(model), "save_pretrained", None)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 __all__ = [
     "DatasetConfig",
     "LoadFromConfig",
+    "LoraConfig",
     "ModelConfig",
     "SyntheticDataConfig",
     "TrainConfig",
@@ -43,6 +44,37 @@ class LoadFromConfig:
     )
     config: dict[str, Any] = _f(
         {}, "HF config keys (nested dicts merge recursively), e.g. `{hidden_size: 64}`."
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    """LoRA adapters (peft's LoRA layers; docs/lora-dpo.md). Present: the base is frozen and only
+    the adapters (plus `full` towers and `train` modules) train."""
+
+    rank: int = _f(16, "Adapter rank r (`A [r, in]`, `B [out, r]`).")
+    alpha: float = _f(
+        32.0, "Scale: the update is `alpha / rank · B A` (`alpha / sqrt(rank)` with `use_rslora`)."
+    )
+    dropout: float = _f(0.0, "Dropout on the adapter input (peft's `lora_dropout`).")
+    target_modules: list[str] = _f(
+        ["all-linear"],
+        "`all-linear` (every linear layer of the `lora` towers; never the LM head) or module-name "
+        "patterns: a suffix (`q_proj`, `mlp.down_proj`) or a regular expression on the full name.",
+    )
+    towers: dict[str, str] = _f(
+        {"decoder": "lora"},
+        "Per tower (`decoder`, `vision`, `audio`, as the family declares them): `lora`, `frozen` "
+        "or `full` (trained whole). Towers not named are frozen.",
+    )
+    train: list[str] = _f(
+        [], "Module-name prefixes trained whole besides (e.g. `lm_head`, a projector)."
+    )
+    use_rslora: bool = _f(False, "rsLoRA scaling `alpha / sqrt(rank)`.")
+    quantize_base: Literal["none", "nf4"] = _f(
+        "none",
+        "`nf4`: QLoRA, the frozen base linear weights of the `lora` towers in 4-bit NF4 "
+        "(torchao; `pip install lmms-models[qlora]`). Needs a CUDA GPU.",
     )
 
 
@@ -82,6 +114,11 @@ class ModelConfig:
         {},
         "Options of the objective, e.g. `{mask_token_id: 151666, eps: 0.001, shift: false}` "
         "for `masked_diffusion` (unknown keys are errors).",
+    )
+    lora: LoraConfig | None = _f(
+        None,
+        "LoRA / QLoRA adapters instead of full fine-tuning (`{rank, alpha, target_modules, "
+        "towers, ...}`; docs/lora-dpo.md).",
     )
 
 

@@ -1,0 +1,107 @@
+"""`model_config.lora` through the trainer (quickstart Qwen2.5-VL, one process on CPU).
+
+From a pretrained base folder: the LoRA run learns, resumes exactly from a checkpoint, and its
+two exports agree with the upstream model:
+``PeftModel.from_pretrained(base, adapter/)`` and ``from_pretrained(hf/)`` (merged) give the same
+logits. Muon takes the adapter matrices; a 4-bit base on CPU is one error line before the build.
+FSDP2 and SP with adapters: packages/lmms-models/tests/test_sp_vl.py (its 4-process spawn).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from e2e_helpers import expect_failure, tiny_config, write_config
+
+from lmms_train import train
+from lmms_train._metrics import read_jsonl
+from lmms_train.config import config_from_dict
+
+pytest.importorskip("peft")
+
+LORA = {"rank": 8, "alpha": 16.0, "towers": {"decoder": "lora", "vision": "frozen"}}
+
+
+def _losses(out):
+    return [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def base_folder(tiny_inputs, tmp_path_factory):
+    """A tiny pretrained Qwen2.5-VL folder (one full fine-tuning step, exported)."""
+    root = tmp_path_factory.mktemp("lora_base")
+    cfg = tiny_config(tiny_inputs, root / "run", max_steps=1, export_hf=True, save_final=False)
+    train(config_from_dict(cfg))
+    return root / "run" / "hf"
+
+
+def _lora_cfg(tiny_inputs, base, out, **trainer):
+    cfg = tiny_config(tiny_inputs, out, **trainer)
+    cfg["model_config"] = {
+        "load_from_pretrained_path": str(base),
+        "processor_path": tiny_inputs["processor"],
+        "lora": dict(LORA),
+    }
+    return cfg
+
+
+def test_lora_resume_and_exports(tiny_inputs, base_folder, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    steps = 4
+    ref = _lora_cfg(tiny_inputs, base_folder, tmp_path / "ref", max_steps=steps, save_steps=2,
+                    export_hf=True, learning_rate=2e-2)  # fmt: skip
+    train(config_from_dict(ref))
+    expected = _losses(tmp_path / "ref")
+    assert len(expected) == steps and expected[-1] < expected[0]
+
+    # exact resume from the step-2 checkpoint
+    run = dict(ref)
+    run["trainer_args"] = {**ref["trainer_args"], "output_dir": str(tmp_path / "resumed"),
+                           "export_hf": False, "save_final": False,
+                           "resume_from": str(tmp_path / "ref" / "checkpoints" / "step_000002")}  # fmt: skip
+    train(config_from_dict(run))
+    got = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "resumed" / "metrics.jsonl")}
+    assert [got[s] for s in (3, 4)] == expected[2:]
+
+    # exports: peft's adapter on the upstream base == the merged folder
+    adapter = tmp_path / "ref" / "adapter"
+    assert (adapter / "adapter_config.json").is_file()
+    assert (adapter / "adapter_model.safetensors").is_file()
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "ref" / "hf").eval()
+    base = AutoModelForImageTextToText.from_pretrained(base_folder)
+    peft = PeftModel.from_pretrained(base, str(adapter)).eval()
+    ids = torch.randint(0, 200, (1, 17))
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, peft(input_ids=ids).logits
+        plain = AutoModelForImageTextToText.from_pretrained(base_folder).eval()(input_ids=ids)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain.logits, a, atol=1e-4)  # the adapters changed the model
+
+
+def test_lora_muon_groups_and_qlora_on_cpu(tiny_inputs, base_folder, tmp_path, capsys):
+    from lmms_train._dist import DistEnv
+    from lmms_train._model_setup import build_model, resolve_spec
+    from lmms_train._optim_setup import build_optimizer
+
+    cfg = config_from_dict(_lora_cfg(tiny_inputs, base_folder, tmp_path / "m", optimizer="muon"))
+    spec = resolve_spec(cfg)
+    built = build_model(cfg, DistEnv(), spec, None)
+    opt = build_optimizer(built.model, spec, cfg.trainer_args)
+    names = {id(p): n for n, p in built.model.named_parameters()}
+    muon = [names[id(p)] for g in opt.param_groups if g["use_muon"] for p in g["params"]]
+    other = [names[id(p)] for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
+    assert len(muon) == 2 * len(built.adapter.targets) and not other
+    assert all(".lora_A." in n or ".lora_B." in n for n in muon)
+
+    from lmms_train.cli import main
+
+    bad = _lora_cfg(tiny_inputs, base_folder, tmp_path / "q")
+    bad["model_config"]["lora"]["quantize_base"] = "nf4"
+    path = write_config(bad, tmp_path / "q.yaml")
+    err = expect_failure(main, [str(path)], capsys, "nf4", "needs a CUDA GPU")
+    assert "model " not in err  # refused before the model is built
+    shutil.rmtree(tmp_path / "q", ignore_errors=True)
