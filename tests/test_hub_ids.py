@@ -116,6 +116,21 @@ def test_download_lock_times_out_with_a_clear_error(hub, monkeypatch):
         resolve_hub_path("lmms-test/busy", timeout_s=0.2)
 
 
+def test_unreachable_hub_falls_back_to_the_cache(hub, monkeypatch):
+    """Online mode (HF_HUB_OFFLINE unset) with the Hub unreachable (a closed local port): the
+    download path takes the node lock, fails to connect, and uses the cached snapshot; an id not
+    cached is one line."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub["cache"]))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: connection refused
+    snap = hub["cache"] / "models--lmms-test--tiny-qwen2" / "snapshots" / hub["commit"]
+    assert resolve_hub_path("lmms-test/tiny-qwen2") == str(snap)
+    with pytest.raises(
+        HubError, match="'lmms-test/elsewhere' is no local path, and as a Hub model"
+    ):
+        resolve_hub_path("lmms-test/elsewhere")
+
+
 def _config(out, model: str, data: str, **model_keys) -> dict:
     return {
         "model_config": {"load_from_pretrained_path": model, **model_keys},

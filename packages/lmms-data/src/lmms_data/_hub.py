@@ -70,14 +70,17 @@ def split_hub_id(value: str) -> tuple[str, str | None]:
     return repo, rev or None
 
 
-def _patterns(kind: str, repo: str, revision: str | None, repo_type: str) -> list[str]:
+def _patterns(
+    kind: str, repo: str, revision: str | None, repo_type: str, endpoint: str | None
+) -> list[str]:
     if kind == "processor":
         return list(_PROCESSOR_FILES)
     if kind == "dataset":
         return list(_DATA_FILES)
     from huggingface_hub import HfApi
 
-    files = HfApi().list_repo_files(repo, revision=revision, repo_type=repo_type)
+    info = HfApi(endpoint=endpoint).repo_info(repo, revision=revision, repo_type=repo_type)
+    files = [s.rfilename for s in info.siblings or []]
     weights = "safetensors" if any(f.endswith(".safetensors") for f in files) else "bin"
     return [*_PROCESSOR_FILES, *_WEIGHTS[weights]]
 
@@ -91,43 +94,66 @@ def resolve_hub_path(value: str, *, kind: str = "model", timeout_s: float = 7200
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not is_hub_id(value):
         return value
-    import httpx
-    from filelock import FileLock, Timeout
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
     repo, revision = split_hub_id(value)
     repo_type = "dataset" if kind == "dataset" else "model"
     cache = hub_cache_dir()
     if _offline():
-        try:
-            return snapshot_download(
-                repo, revision=revision, repo_type=repo_type, cache_dir=cache, local_files_only=True
-            )
-        except (LocalEntryNotFoundError, FileNotFoundError):
+        found = _cached(repo, revision, repo_type, cache)
+        if found is None:
             raise HubError(
                 f"{value!r} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE=1 forbids "
                 f"downloading it (download it first: hf download {repo}"
                 + (f" --revision {revision}" if revision else "")
                 + (" --repo-type dataset" if kind == "dataset" else "")
                 + "; docs/weights.md)"
-            ) from None
+            )
+        return found
+    return _download(value, kind, repo, revision, repo_type, cache, timeout_s)
+
+
+def _cached(repo: str, revision: str | None, repo_type: str, cache: Path) -> str | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(
+            repo, revision=revision, repo_type=repo_type, cache_dir=cache, local_files_only=True
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        return None
+
+
+def _download(
+    value: str, kind: str, repo: str, revision: str | None, repo_type: str, cache: Path,
+    timeout_s: float,
+) -> str:  # fmt: skip
+    """Download under the node's lock; the Hub unreachable: the cached snapshot if there is one."""
+    from filelock import FileLock, Timeout
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None
     lock_dir = cache / ".locks" / "lmms"
     lock_dir.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha1(f"{repo_type}:{value}".encode()).hexdigest()[:16]
     try:
         with FileLock(str(lock_dir / f"{key}.lock"), timeout=timeout_s):
-            patterns = _patterns(kind, repo, revision, repo_type)
+            patterns = _patterns(kind, repo, revision, repo_type, endpoint)
             return snapshot_download(
                 repo, revision=revision, repo_type=repo_type, cache_dir=cache,
-                allow_patterns=patterns,
+                allow_patterns=patterns, endpoint=endpoint,
             )  # fmt: skip
     except Timeout:
         raise HubError(
             f"waited {timeout_s:.0f} s for another process of this node to download {value!r} "
             f"into {cache} (lock {lock_dir / key}.lock): download it first (hf download {repo})"
         ) from None
-    except (HfHubHTTPError, OSError, httpx.HTTPError) as exc:
+    except Exception as exc:  # HTTP status, DNS, refused, TLS...: the HTTP library's own types
+        # (httpx, httpx2 or requests, by huggingface_hub version); the cache may still hold it
+        missing = isinstance(exc, RepositoryNotFoundError | RevisionNotFoundError)
+        found = None if missing else _cached(repo, revision, repo_type, cache)
+        if found is not None:  # the Hub unreachable (no network): what the cache holds
+            return found
         first = " ".join(str(exc).split())[:300]
         raise HubError(
             f"{value!r} is no local path, and as a Hub {repo_type} id it cannot be downloaded "
