@@ -94,6 +94,22 @@ TINY_CONFIGS = {
 }
 
 
+#: The Liger plans of the tiny models' transformers classes (as lmms-models' families state them).
+LIGER_PLANS = {
+    "qwen2": {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)},
+    "qwen3": {"rms_norm": ("Qwen3RMSNorm",), "mlp": ("Qwen3MLP",)},
+    "qwen3_moe": {"rms_norm": ("Qwen3MoeRMSNorm",), "mlp": ("Qwen3MoeMLP",), "mlp_optional": True},
+    "qwen2_5_vl": {"rms_norm": ("Qwen2_5_VLRMSNorm",), "mlp": ("Qwen2MLP", "Qwen2_5_VLMLP")},
+    "qwen3_vl": {"rms_norm": ("Qwen3VLTextRMSNorm",), "mlp": ("Qwen3VLTextMLP",)},
+    "qwen3_5": {
+        "rms_norm": ("Qwen3_5RMSNorm",),
+        "mlp": ("Qwen3_5MLP",),
+        "rms_offset": 1.0,
+        "rms_casting": "gemma",
+    },
+}
+
+
 def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
     """A randomly initialised tiny model of ``family`` (a transformers model type)."""
     import transformers

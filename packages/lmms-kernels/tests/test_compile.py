@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _kernels_ref import random_cu_seqlens, tiny_model
+from _kernels_ref import LIGER_PLANS, random_cu_seqlens, tiny_model
 
 import lmms_kernels as lk
 from lmms_kernels import _liger
@@ -255,7 +255,7 @@ def test_liger_patched_blocks_compile_with_upstream_math(monkeypatch):
     name = lk.register_varlen_attention("lmms_compile_test_liger", backend="sdpa")
     model = tiny_model("qwen2").train()
     _set_attn(model, name)
-    handle = lk.apply_liger(model, "qwen2")
+    handle = lk.apply_liger(model, LIGER_PLANS["qwen2"])
     batch = _pack(torch.Generator().manual_seed(2), [6, 3, 8], 101)
     eager_loss = _text_loss(model, *batch)
     assert calls["rms"] > 0 and calls["swiglu"] > 0

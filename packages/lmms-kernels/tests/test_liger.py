@@ -4,7 +4,7 @@ numeric parity with the real kernels on GPU."""
 import pytest
 import torch
 import torch.nn.functional as F
-from _kernels_ref import TINY_CONFIGS, text_forward, tiny_model
+from _kernels_ref import LIGER_PLANS, TINY_CONFIGS, text_forward, tiny_model
 
 import lmms_kernels as lk
 from lmms_kernels import _liger
@@ -49,7 +49,7 @@ def test_patch_scope_wiring_and_exact_unpatch(fake_liger):
         dicts = {n: dict(m.__dict__) for n, m in model.named_modules()}
         with torch.no_grad():
             before = text_forward(model, ids)
-            handle = lk.apply_liger(model, family)
+            handle = lk.apply_liger(model, LIGER_PLANS[family])
             assert handle.patched["rms_norm"], family
             if family == "qwen2_5_vl":  # text and vision MLPs
                 assert any("visual" in n for n in handle.patched["swiglu"])
@@ -62,7 +62,7 @@ def test_patch_scope_wiring_and_exact_unpatch(fake_liger):
             assert fake_liger["rms"] > 0 and fake_liger["swiglu"] > 0, family
             torch.testing.assert_close(patched, before, atol=1e-5, rtol=1e-5)
             with pytest.raises(RuntimeError, match="already Liger-patched"):
-                lk.apply_liger(model, family)
+                lk.apply_liger(model, LIGER_PLANS[family])
             handle.remove()
             handle.remove()  # idempotent
             assert {n: dict(m.__dict__) for n, m in model.named_modules()} == dicts
@@ -75,7 +75,7 @@ def test_grads_flow_through_patched_modules(fake_liger):
     text_forward(model, ids).sum().backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    handle = lk.apply_liger(model, "qwen3")
+    handle = lk.apply_liger(model, LIGER_PLANS["qwen3"])
     text_forward(model, ids).sum().backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], atol=1e-5, rtol=1e-5, msg=n)
@@ -93,7 +93,7 @@ def test_zero_centred_rms_norm_uses_the_offset(fake_liger):
     model = torch.nn.ModuleDict({"norm": norm})
     x = torch.randn(5, 16, dtype=torch.bfloat16)
     want = norm(x)
-    handle = lk.apply_liger(model, "qwen3_5", swiglu=False)
+    handle = lk.apply_liger(model, LIGER_PLANS["qwen3_5"], swiglu=False)
     got = norm(x)
     assert fake_liger["rms"] == 1
     assert torch.equal(got, want)
@@ -102,15 +102,15 @@ def test_zero_centred_rms_norm_uses_the_offset(fake_liger):
 
 
 def test_errors_and_cpu_fallback():
-    with pytest.raises(ValueError, match="no Liger patch plan"):
-        lk.apply_liger(torch.nn.Linear(2, 2), "no_such_family")
-    with pytest.raises(RuntimeError, match="found no"):
-        lk.apply_liger(tiny_model("qwen2"), "qwen3")  # wrong family: nothing matches -> raise
+    with pytest.raises(TypeError, match="LigerPlan"):
+        lk.apply_liger(torch.nn.Linear(2, 2), "qwen2")  # a name: the plan is the family's
+    with pytest.raises(RuntimeError, match="found no"):  # wrong plan: nothing matches -> raise
+        lk.apply_liger(tiny_model("qwen2"), LIGER_PLANS["qwen3"])
     model = tiny_model("qwen2")
     mlp = model.model.layers[0].mlp
     mlp.act_fn = torch.nn.GELU()
     with pytest.raises(RuntimeError, match="not SiLU"):
-        lk.apply_liger(model, "qwen2")
+        lk.apply_liger(model, LIGER_PLANS["qwen2"])
     assert all(not hasattr(m, "_lmms_liger_patched") for m in model.modules()), (
         "failed patch must roll back"
     )
@@ -119,7 +119,7 @@ def test_errors_and_cpu_fallback():
     ids = torch.randint(0, 101, (1, 5))
     with torch.no_grad():
         want = text_forward(model, ids)
-        handle = lk.apply_liger(model, "qwen2")
+        handle = lk.apply_liger(model, LIGER_PLANS["qwen2"])
         assert torch.equal(text_forward(model, ids), want)
     handle.remove()
 
@@ -140,7 +140,7 @@ def test_liger_parity_gpu(family):
         }
 
     out0, g0 = run()
-    handle = lk.apply_liger(model, family)
+    handle = lk.apply_liger(model, LIGER_PLANS[family])
     out1, g1 = run()
     torch.testing.assert_close(out1, out0, atol=1e-4, rtol=1e-4)
     assert g1.keys() == g0.keys()

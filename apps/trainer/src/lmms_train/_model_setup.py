@@ -267,7 +267,7 @@ def build_model(
         from lmms_models import linear_patch_embed
 
         handles.append(linear_patch_embed(spec.vision_tower(model)))
-    if t.use_liger_kernel and spec.supports_liger:
+    if t.use_liger_kernel and spec.liger_plan:  # the family's modules to patch
         handles.append(_apply_liger(model, spec, env))
     units = _apply_plans(model, spec, env, t, hf_config, handles, m.objective)  # TP/EP first
     if env.sp > 1:
@@ -439,4 +439,4 @@ def _apply_liger(model: nn.Module, spec: Any, env: DistEnv) -> Any:
         from lmms_kernels import apply_liger
     except ImportError as exc:
         raise UserError(f"use_liger_kernel: lmms_kernels.apply_liger unavailable: {exc}") from exc
-    return apply_liger(model, spec.name)
+    return apply_liger(model, spec.liger_plan)

@@ -15,7 +15,7 @@ from ._compile import (
 )
 from ._flce import fused_linear_cross_entropy, labelled_rows
 from ._hf import register_varlen_attention
-from ._liger import LIGER_FAMILIES, PatchHandle, apply_liger
+from ._liger import LigerPlan, PatchHandle, apply_liger
 from ._linear_attention import (
     LINEAR_BACKENDS,
     causal_conv1d_varlen,
@@ -36,10 +36,10 @@ from ._warmup import WARM_COUNTS, attention_calls, warm_attention
 __all__ = [
     "BACKENDS",
     "EXPERTS_BACKENDS",
-    "LIGER_FAMILIES",
     "LINEAR_BACKENDS",
     "WARM_COUNTS",
     "CompileHandle",
+    "LigerPlan",
     "PatchHandle",
     "apply_liger",
     "attention_calls",

@@ -1,28 +1,15 @@
-"""Instance-scoped, reversible Liger-Kernel patching for the supported model families.
+"""Instance-scoped, reversible Liger-Kernel patching, by the caller's plan of module classes.
 
-``apply_liger(model, family)`` swaps the ``forward`` of this model's RMSNorm and SwiGLU MLP
+``apply_liger(model, plan)`` swaps the ``forward`` of this model's RMSNorm and SwiGLU MLP
 *instances* (an instance attribute shadowing the class method) for ones that call Liger's
 Triton ops. Nothing global changes: other models of the same class are untouched, and
 ``handle.remove()`` deletes the instance attributes again, so the modules are the very same
 objects with the very same ``__dict__`` and produce bit-identical outputs.
 
-What is patched per family (transformers model types):
-
-====================  ==========================================  ==============================
-family                RMSNorm                                     SwiGLU MLP
-====================  ==========================================  ==============================
-qwen2 (Qwen2, 2.5)    Qwen2RMSNorm                                Qwen2MLP
-qwen3                 Qwen3RMSNorm (incl. q_norm/k_norm)          Qwen3MLP
-qwen3_moe             Qwen3MoeRMSNorm (incl. q_norm/k_norm)       Qwen3MoeMLP (dense layers only)
-qwen2_5_vl            Qwen2_5_VLRMSNorm (text and vision)         Qwen2MLP (text), Qwen2_5_VLMLP (vision)
-qwen3_vl              Qwen3VLTextRMSNorm                          Qwen3VLTextMLP
-qwen3_vl_moe          Qwen3VLMoeTextRMSNorm                       Qwen3VLMoeTextMLP (dense layers)
-llava_onevision       Qwen2RMSNorm                                Qwen2MLP
-qwen2_audio, aero     Qwen2RMSNorm                                Qwen2MLP
-qwen2_5_omni          Qwen2_5OmniRMSNorm                          Qwen2MLP (text), Qwen2_5OmniMLP (vision)
-qwen3_omni_moe        Qwen3OmniMoe(Thinker)TextRMSNorm            Qwen3OmniMoeThinkerTextMLP (dense layers)
-qwen3_5 (+ _moe)      Qwen3_5RMSNorm: x * (1 + w), "gemma" mode   Qwen3_5MLP (dense / shared expert)
-====================  ==========================================  ==============================
+What is patched is the caller's :class:`LigerPlan`: the class names of the RMSNorm modules and
+of the gate/up/down SwiGLU MLPs, and the RMSNorm's semantics (``"llama"``: ``w * x``;
+``"gemma"`` with offset 1: a zero-centred ``x * (1 + w)``). This package knows no model: each
+model family states its plan (lmms-models: ``ModelSpec.liger_plan``, docs/kernels.md lists them).
 
 Not patched, on purpose: MoE experts (grouped ``Qwen3MoeExperts`` weights, not a SwiGLU module);
 Qwen3-VL's vision tower (LayerNorm + GELU MLP, no Liger equivalent used here); RoPE/mRoPE:
@@ -32,9 +19,9 @@ that module global (which would change every model of the family in the process)
 the attention forward (which the design forbids). RoPE is a small share of step time; see
 docs/kernels.md.
 
-Each family lists the classes it expects; if a model contains none of an expected kind (an
-upstream rename), or an MLP whose activation is not SiLU, ``apply_liger`` raises instead of
-silently patching less. Liger's ops need CUDA tensors: a patched module called with tensors on
+A plan lists the classes it expects; if a model contains none of an expected kind (an upstream
+rename; an absent MLP is allowed with ``mlp_optional``, e.g. all layers sparse), or an MLP whose
+activation is not SiLU, ``apply_liger`` raises instead of silently patching less. Liger's ops need CUDA tensors: a patched module called with tensors on
 another device runs its upstream forward (so a CPU quickstart with ``use_liger_kernel`` works).
 Patching is independent of packing (``use_rmpad``): RMSNorm and SwiGLU act per token.
 
@@ -61,63 +48,47 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["LIGER_FAMILIES", "PatchHandle", "apply_liger"]
+__all__ = ["LigerPlan", "PatchHandle", "apply_liger"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
-class _FamilySpec:
-    rms_norm: tuple[str, ...]  # class names of RMSNorm modules to patch
-    mlp: tuple[str, ...]  # class names of gate/up/down SwiGLU MLPs to patch
-    # Liger's RMSNorm semantics: "llama" = w * (x_fp32 * rstd).to(dtype), offset 0;
-    # "gemma" = ((x_fp32 * rstd) * (offset + w_fp32)).to(dtype) (Qwen3.5's zero-centred weight)
+class LigerPlan:
+    """What :func:`apply_liger` patches in a model: module classes by name, as data.
+
+    * ``rms_norm``: class names of the RMSNorm modules; ``mlp``: of the gate/up/down SwiGLU MLPs.
+    * ``rms_offset`` / ``rms_casting``: Liger's RMSNorm semantics: ``"llama"`` =
+      ``w * (x_fp32 * rstd).to(dtype)``, offset 0; ``"gemma"`` =
+      ``((x_fp32 * rstd) * (offset + w_fp32)).to(dtype)`` (a zero-centred weight: offset 1).
+    * ``mlp_optional``: a model may hold no such MLP (sparse decoders whose layers may all be MoE).
+    """
+
+    rms_norm: tuple[str, ...]
+    mlp: tuple[str, ...]
     rms_offset: float = 0.0
     rms_casting: str = "llama"
+    mlp_optional: bool = False
+
+    @classmethod
+    def of(cls, plan: LigerPlan | Mapping[str, Any]) -> LigerPlan:
+        """``plan`` itself, or the plan of a mapping of these fields (a model spec's data)."""
+        if isinstance(plan, LigerPlan):
+            return plan
+        if not isinstance(plan, Mapping) or not plan:
+            raise TypeError(
+                f"apply_liger takes a LigerPlan or a mapping of its fields, got {plan!r} (a model "
+                "family states its plan: lmms_models' ModelSpec.liger_plan)"
+            )
+        fields = dict(plan)
+        return cls(**{**fields, "rms_norm": tuple(fields["rms_norm"]), "mlp": tuple(fields["mlp"])})
 
 
-LIGER_FAMILIES: dict[str, _FamilySpec] = {
-    "qwen2": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),
-    "qwen2_5": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),  # Qwen2 modules
-    "qwen3": _FamilySpec(rms_norm=("Qwen3RMSNorm",), mlp=("Qwen3MLP",)),
-    "qwen3_moe": _FamilySpec(rms_norm=("Qwen3MoeRMSNorm",), mlp=("Qwen3MoeMLP",)),
-    "qwen2_5_vl": _FamilySpec(rms_norm=("Qwen2_5_VLRMSNorm",), mlp=("Qwen2MLP", "Qwen2_5_VLMLP")),
-    "qwen3_vl": _FamilySpec(rms_norm=("Qwen3VLTextRMSNorm",), mlp=("Qwen3VLTextMLP",)),
-    # LLaVA-OneVision: the Qwen2 decoder (SigLIP's LayerNorm and GELU MLP stay upstream)
-    "llava_onevision": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),
-    "llama": _FamilySpec(rms_norm=("LlamaRMSNorm",), mlp=("LlamaMLP",)),
-    # Qwen2-Audio and Aero: the Qwen2 decoder (the Whisper-style audio encoder: LayerNorm + GELU)
-    "qwen2_audio": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),
-    "aero": _FamilySpec(rms_norm=("Qwen2RMSNorm",), mlp=("Qwen2MLP",)),
-    # Qwen2.5-Omni thinker: text decoder (Qwen2MLP) and the Qwen2.5-VL-style vision tower's SwiGLU
-    "qwen2_5_omni": _FamilySpec(
-        rms_norm=("Qwen2_5OmniRMSNorm",), mlp=("Qwen2MLP", "Qwen2_5OmniMLP")
-    ),
-    # sparse decoders: norms everywhere, dense MLPs only where a layer is dense (often none)
-    "qwen3_vl_moe": _FamilySpec(rms_norm=("Qwen3VLMoeTextRMSNorm",), mlp=("Qwen3VLMoeTextMLP",)),
-    # Qwen3-Omni-MoE thinker: decoder norms (incl. q/k) and the final norm; the audio tower's
-    # LayerNorm/GELU and the vision tower's GELU MLP stay upstream
-    "qwen3_omni_moe": _FamilySpec(
-        rms_norm=("Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3OmniMoeTextRMSNorm"),
-        mlp=("Qwen3OmniMoeThinkerTextMLP",),
-    ),
-    # Qwen3.5: zero-centred RMSNorm weight, x * (1 + w) in fp32 (the gated norm inside the
-    # Gated DeltaNet mixer stays upstream); the vision tower's MLP is GELU (not patched)
-    "qwen3_5": _FamilySpec(
-        rms_norm=("Qwen3_5RMSNorm",), mlp=("Qwen3_5MLP",), rms_offset=1.0, rms_casting="gemma"
-    ),
-    "qwen3_5_moe": _FamilySpec(
-        rms_norm=("Qwen3_5MoeRMSNorm",),
-        mlp=("Qwen3_5MoeMLP",),
-        rms_offset=1.0,
-        rms_casting="gemma",
-    ),
-}
-# families whose MLP may legitimately be absent (all layers sparse)
-_MLP_OPTIONAL = frozenset({"qwen3_moe", "qwen3_vl_moe", "qwen3_omni_moe", "qwen3_5_moe"})
 _SILU_NAMES = frozenset({"SiLU", "SiLUActivation"})
 _MARK = "_lmms_liger_patched"
 
@@ -126,7 +97,7 @@ _MARK = "_lmms_liger_patched"
 class PatchHandle:
     """Undo record of one ``apply_liger`` call. ``remove()`` restores every module exactly."""
 
-    family: str
+    plan: LigerPlan
     patched: dict[str, list[str]] = field(default_factory=dict)  # kind -> module names
     _records: list[tuple[nn.Module, object]] = field(default_factory=list)
     _removed: bool = False
@@ -152,7 +123,7 @@ def _liger_ops():
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
-    def rms_norm(x, weight, eps, offset=0.0, casting="llama"):  # see _FamilySpec.rms_casting
+    def rms_norm(x, weight, eps, offset=0.0, casting="llama"):  # see LigerPlan.rms_casting
         return LigerRMSNormFunction.apply(x.contiguous(), weight, eps, offset, casting, False)
 
     def silu_mul(a, b):
@@ -231,7 +202,7 @@ def _aligned_swiglu(module: nn.Module, x: torch.Tensor, pad: int, silu_mul) -> t
 
 def apply_liger(
     model: nn.Module,
-    family: str,
+    plan: LigerPlan | Mapping[str, Any],
     *,
     rms_norm: bool = True,
     swiglu: bool = True,
@@ -239,26 +210,23 @@ def apply_liger(
 ) -> PatchHandle:
     """Patch this model instance's RMSNorm and SwiGLU MLP modules with Liger kernels.
 
-    ``family`` is the transformers model type (see ``LIGER_FAMILIES``). Returns a handle whose
-    ``remove()`` restores the model exactly. Raises if liger-kernel is missing, the family is
-    unknown, the model is already patched, or an expected module kind is not found.
-    ``align_mlp``: pad MLP intermediate widths that are not a multiple of 8 (module docstring).
+    ``plan``: the module classes to patch (:class:`LigerPlan`, or a mapping of its fields: the
+    model family's ``liger_plan``). Returns a handle whose ``remove()`` restores the model
+    exactly. Raises if liger-kernel is missing, the model is already patched, or an expected
+    module kind is not found. ``align_mlp``: pad MLP intermediate widths that are not a
+    multiple of 8 (module docstring).
     """
-    if family not in LIGER_FAMILIES:
-        raise ValueError(
-            f"no Liger patch plan for family {family!r}; known: {sorted(LIGER_FAMILIES)}"
-        )
+    plan = LigerPlan.of(plan)
     _liger_ops()  # fail early when liger-kernel is absent
-    spec = LIGER_FAMILIES[family]
-    plan: list[tuple[str, tuple[str, ...], object]] = []
+    steps: list[tuple[str, tuple[str, ...], object]] = []
     if rms_norm:
-        rms = functools.partial(_patch_rms_norm, offset=spec.rms_offset, casting=spec.rms_casting)
-        plan.append(("rms_norm", spec.rms_norm, rms))
+        rms = functools.partial(_patch_rms_norm, offset=plan.rms_offset, casting=plan.rms_casting)
+        steps.append(("rms_norm", plan.rms_norm, rms))
     if swiglu:
-        plan.append(("swiglu", spec.mlp, functools.partial(_patch_mlp, align=align_mlp)))
-    handle = PatchHandle(family=family)
+        steps.append(("swiglu", plan.mlp, functools.partial(_patch_mlp, align=align_mlp)))
+    handle = PatchHandle(plan=plan)
     try:
-        for kind, class_names, make in plan:
+        for kind, class_names, make in steps:
             names = []
             for name, module in model.named_modules():
                 if type(module).__name__ not in class_names:
@@ -272,10 +240,10 @@ def apply_liger(
                 setattr(module, _MARK, True)
                 handle._records.append((module, previous))
                 names.append(name)
-            if not names and not (kind == "swiglu" and family in _MLP_OPTIONAL):
+            if not names and not (kind == "swiglu" and plan.mlp_optional):
                 found = sorted({type(m).__name__ for m in model.modules()})
                 raise RuntimeError(
-                    f"Liger {kind} patch for {family!r} found no {class_names} module in "
+                    f"Liger {kind} patch found no {class_names} module in "
                     f"{type(model).__name__} (upstream rename?); module classes present: {found}"
                 )
             handle.patched[kind] = names

@@ -78,7 +78,6 @@ class DiffusionSpec(ModelSpec, GeneratesLatents):
     """
 
     default_objective: str = "flow_matching"
-    supports_liger: bool = False  # no RMSNorm/SwiGLU decoder for Liger's kernels
     # name -> (library, model class, config class or "" for diffusers' own configs)
     encoder_classes: dict[str, tuple[str, str, str]] = {}  # noqa: RUF012
     placeable_encoders: tuple[str, ...] = ()  # encoders that encoder_blocks splits

@@ -115,8 +115,10 @@ class ModelSpec:
     #: rectified-flow parameterisation.
     default_objective: str = "causal_lm"
     objective_defaults: dict[str, Any] = {}  # noqa: RUF012
-    #: ``trainer_args.use_liger_kernel`` applies lmms_kernels' Liger patches to this family.
-    supports_liger: bool = True
+    #: What ``trainer_args.use_liger_kernel`` patches with Liger's kernels: the fields of
+    #: ``lmms_kernels.LigerPlan`` (``rms_norm`` / ``mlp``: module class names, ``rms_offset``,
+    #: ``rms_casting``, ``mlp_optional``) for ``lmms_kernels.apply_liger``. Empty: nothing.
+    liger_plan: dict[str, Any] = {}  # noqa: RUF012
     #: ``dataset_config.generate_synthetic.kind`` when the config gives none ("": chosen from
     #: the ``media_keys``: text, vl, audio or omni).
     synthetic_kind: str = ""

@@ -58,6 +58,9 @@ _TINY: dict[str, Any] = {
 @register_model("aero")
 class AeroSpec(AudioLMSpec):
     processor_family = "qwen2_audio"
+    #: Liger (lmms_kernels.apply_liger): the Qwen2 decoder (the Whisper-style encoder: LayerNorm +
+    #: GELU)
+    liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
     mask_mapping = True  # its Qwen2 decoder: `isinstance(attention_mask, dict)` branch
     presets = {"1.5b": AERO_1_5B}  # noqa: RUF012
     reference_audio_keys = ("audio_values", "audio_attention_mask")

@@ -77,7 +77,7 @@ class BagelSpec(ModelSpec, MixedGeneration):
     presets = PRESETS
     default_objective = "ce_flow_matching"
     objective_defaults: dict[str, Any] = {}  # noqa: RUF012 (ce_flow_matching's own defaults)
-    supports_liger = False  # its RMSNorm/SwiGLU are its own modules (no Liger plan yet)
+    # no liger_plan: its RMSNorm/SwiGLU are its own modules (none yet)
     media_keys = ("vit_patches", "vae_latents")
 
     def objective_capabilities(self) -> frozenset[str]:

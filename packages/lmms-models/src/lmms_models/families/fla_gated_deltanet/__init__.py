@@ -136,7 +136,6 @@ def _mlp_width(cfg: Any) -> int:
 class FlaGatedDeltaNetSpec(FlaSpec):
     # flash-linear-attention's own modules already run fused Triton norms (RMSNorm,
     # FusedRMSNormGated) and SwiGLU (GatedMLP) on the GPU: nothing for lmms' Liger plan to add
-    supports_liger = False
     config_class = "GatedDeltaNetConfig"
     model_class = "GatedDeltaNetForCausalLM"
     folder_model_types = ("gated_deltanet",)  # the fla package's own config

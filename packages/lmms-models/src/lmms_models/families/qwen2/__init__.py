@@ -34,6 +34,7 @@ class Qwen2Spec(ModelSpec):
     tp_plan = QWEN2_TP_PLAN
     tp_sp_plan = QWEN2_TP_SP_PLAN
     processor_family = "qwen2"
+    liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
     config_class = "Qwen2Config"
     model_class = "Qwen2ForCausalLM"
     mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch

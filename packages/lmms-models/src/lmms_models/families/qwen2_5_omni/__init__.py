@@ -132,6 +132,11 @@ def omni_audio_flops(audio_config: Any, feature_lens: Any) -> float:
 @register_model("qwen2_5_omni")
 class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
     processor_family = "qwen2_5_omni"
+    #: Liger (lmms_kernels.apply_liger): text decoder and the Qwen2.5-VL-style vision tower's SwiGLU
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("Qwen2_5OmniRMSNorm",),
+        "mlp": ("Qwen2MLP", "Qwen2_5OmniMLP"),
+    }
     config_class = "Qwen2_5OmniThinkerConfig"
     model_class = "Qwen2_5OmniThinkerForConditionalGeneration"
     folder_model_types = ("qwen2_5_omni_thinker",)  # a thinker-only folder (the export)

@@ -145,6 +145,9 @@ class AudioLMSpec(ModelSpec):
 @register_model("qwen2_audio")
 class Qwen2AudioSpec(AudioLMSpec):
     processor_family = "qwen2_audio"
+    #: Liger (lmms_kernels.apply_liger): the Qwen2 decoder (the Whisper-style encoder: LayerNorm +
+    #: GELU)
+    liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
     config_class = "Qwen2AudioConfig"
     model_class = "Qwen2AudioForConditionalGeneration"
     mask_mapping = True  # its Qwen2 decoder: `isinstance(attention_mask, dict)` branch

@@ -235,6 +235,14 @@ QWEN3_5_2B: dict[str, Any] = {
 @register_model("qwen3_5")
 class Qwen3_5Spec(HybridQwenMixin, Qwen3VLSpec):
     processor_family = "qwen3_vl"  # the released checkpoints ship Qwen3-VL's processor
+    #: Liger (lmms_kernels.apply_liger): zero-centred RMSNorm weight, x * (1 + w) in fp32 (the Gated
+    #: DeltaNet mixer's gated norm and the vision tower's GELU MLP stay upstream)
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("Qwen3_5RMSNorm",),
+        "mlp": ("Qwen3_5MLP",),
+        "rms_offset": 1.0,
+        "rms_casting": "gemma",
+    }
     config_class = "Qwen3_5Config"
     model_class = "Qwen3_5ForConditionalGeneration"
     presets = {"2b": QWEN3_5_2B}  # noqa: RUF012 (read-only class table)

@@ -76,6 +76,14 @@ QWEN3_5_35B_A3B: dict[str, Any] = {
 @register_model("qwen3_5_moe")
 class Qwen3_5MoeSpec(MoESpecMixin, HybridQwenMixin, Qwen3VLSpec):
     processor_family = "qwen3_vl"
+    #: Liger (lmms_kernels.apply_liger): as qwen3_5's; dense MLPs: the shared experts
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("Qwen3_5MoeRMSNorm",),
+        "mlp": ("Qwen3_5MoeMLP",),
+        "rms_offset": 1.0,
+        "rms_casting": "gemma",
+        "mlp_optional": True,
+    }
     aux_loss_module = "qwen3_5_moe"
     config_class = "Qwen3_5MoeConfig"
     model_class = "Qwen3_5MoeForConditionalGeneration"

@@ -73,6 +73,11 @@ class Qwen3MoeSpec(MoESpecMixin, ModelSpec):
     """Router aux loss, experts implementation and EP plan: :class:`lmms_models.MoESpecMixin`."""
 
     processor_family = "qwen3"
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("Qwen3MoeRMSNorm",),
+        "mlp": ("Qwen3MoeMLP",),
+        "mlp_optional": True,
+    }
     aux_loss_module = "qwen3_moe"
     config_class = "Qwen3MoeConfig"
     model_class = "Qwen3MoeForCausalLM"

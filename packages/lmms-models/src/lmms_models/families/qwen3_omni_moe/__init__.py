@@ -107,6 +107,13 @@ def omni3_audio_tokens(frames: torch.Tensor, n_window: int) -> torch.Tensor:
 @register_model("qwen3_omni_moe")
 class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
     processor_family = "qwen3_omni_moe"
+    #: Liger (lmms_kernels.apply_liger): decoder norms (incl. q/k) and the final norm; the towers'
+    #: LayerNorm/GELU stay upstream
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3OmniMoeTextRMSNorm"),
+        "mlp": ("Qwen3OmniMoeThinkerTextMLP",),
+        "mlp_optional": True,
+    }
     config_class = "Qwen3OmniMoeThinkerConfig"
     model_class = "Qwen3OmniMoeThinkerForConditionalGeneration"
     folder_model_types = ("qwen3_omni_moe_thinker",)  # a thinker-only folder (the export)

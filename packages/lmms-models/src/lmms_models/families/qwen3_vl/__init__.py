@@ -184,6 +184,8 @@ class Qwen3VLSpec(QwenVLSpec):
     tp_plan = QWEN3_TP_PLAN
     tp_sp_plan = QWEN3_VL_TP_SP_PLAN  # + sp_deepstack: deepstack on each rank's rows
     processor_family = "qwen3_vl"
+    #: Liger (lmms_kernels.apply_liger): the vision tower's LayerNorm and GELU MLP stay upstream
+    liger_plan = {"rms_norm": ("Qwen3VLTextRMSNorm",), "mlp": ("Qwen3VLTextMLP",)}  # noqa: RUF012
     config_class = "Qwen3VLConfig"
     model_class = "Qwen3VLForConditionalGeneration"
     mrope_rows_only = True  # its text model's mask preparation reads the text row on the host

@@ -92,6 +92,12 @@ QWEN3_VL_30B_A3B: dict[str, Any] = {
 @register_model("qwen3_vl_moe")
 class Qwen3VLMoeSpec(MoESpecMixin, Qwen3VLSpec):
     processor_family = "qwen3_vl"
+    #: Liger (lmms_kernels.apply_liger): dense MLPs only where a layer is dense (often none)
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("Qwen3VLMoeTextRMSNorm",),
+        "mlp": ("Qwen3VLMoeTextMLP",),
+        "mlp_optional": True,
+    }
     config_class = "Qwen3VLMoeConfig"
     model_class = "Qwen3VLMoeForConditionalGeneration"
     aux_loss_module = "qwen3_vl_moe"
