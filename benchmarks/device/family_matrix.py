@@ -36,9 +36,11 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -203,7 +205,9 @@ def train(name, args, work):
 
     example, raw, over = _inputs(name, work)
     d = raw["dataset_config"]
-    over.append(f"trainer_args.output_dir={work / 'runs' / name}")
+    run_dir = Path(tempfile.gettempdir()) / "family_matrix_runs" / name  # never a used folder
+    shutil.rmtree(run_dir, ignore_errors=True)
+    over.append(f"trainer_args.output_dir={run_dir}")
     over += [
         f"trainer_args.max_steps={args.steps}", "trainer_args.warmup_steps=1",
         "trainer_args.save_steps=0", "trainer_args.save_final=false",
@@ -219,7 +223,7 @@ def train(name, args, work):
     code = main([str(example), *over])
     if code != 0:
         raise RuntimeError(f"lmms-train exited {code}")
-    lines = (work / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "loss" in r and "step" in r], example.name
 
 
