@@ -147,3 +147,10 @@ def test_replaced_dataset_does_not_resume_silently(tmp_path) -> None:
     generate_synthetic_shapes(str(tmp_path), 20, image_size=16, rows_per_group=4)  # replaced
     with pytest.raises(DatasetChangedError, match="bytes"):
         build_latent_loader(cfg).load_state_dict(state)
+
+
+def test_a_batch_of_zero_samples_is_refused(tmp_path) -> None:
+    """extra.batch_size: 0 would never emit a batch (a loop at 100% CPU): refused at build."""
+    path = generate_synthetic_shapes(str(tmp_path), 4, image_size=16, rows_per_group=4)
+    with pytest.raises(ValueError, match="batch_size and text_max_length must be >= 1"):
+        build_latent_loader(_cfg(path, batch_size=0, image_buckets=[[16, 16]]))

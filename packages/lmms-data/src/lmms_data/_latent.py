@@ -205,6 +205,12 @@ class LatentLoader:
         self.text_max_length = int(ex.pop("text_max_length", 64))
         if ex:
             raise ValueError(f"dataset_config.extra: unknown latent-loader keys {sorted(ex)}")
+        if self.batch_size < 1 or self.text_max_length < 1 or not self.frame_buckets:
+            raise ValueError(  # a batch of 0 samples would never be emitted: a silent stall
+                "dataset_config.extra: batch_size and text_max_length must be >= 1 and "
+                f"frame_buckets not empty, got {self.batch_size}, {self.text_max_length}, "
+                f"{self.frame_buckets}"
+            )
         paths = [cfg.dataset_path] if isinstance(cfg.dataset_path, str) else cfg.dataset_path
         self.records = _Records(list(paths))
         self.fingerprint = latent_fingerprint(list(paths))
