@@ -268,8 +268,48 @@ def test_sigterm_exits_75_after_saving(tiny_inputs, tmp_path, capsys, monkeypatc
     out = tmp_path / "out"
     path = write_config(tiny_config(tiny_inputs, out, max_steps=6), tmp_path / "c.yaml")
     assert main([str(path)]) == 75
-    assert "SIGTERM: saved step 3 and stopped" in capsys.readouterr().err
-    assert sorted(os.listdir(out / "checkpoints")) == ["step_000003"]
+    # step 1 is logged once step 2's work is queued: the signal comes during step 2, and the
+    # save lands at the next step boundary, after step 2 (no further step runs)
+    assert "SIGTERM: saved step 2 and stopped" in capsys.readouterr().err
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_000002"]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_sigterm_while_the_data_stalls(tiny_inputs, tmp_path, capsys, monkeypatch):
+    """A loader that never yields again (a stalled file system, a bucket that never fills) does
+    not hold SIGTERM: the wait is interrupted, the last finished step is saved, exit 75, and a
+    resume continues from it."""
+    import threading
+
+    import lmms_train._data_setup as data_setup
+
+    original = data_setup.TrainData.__iter__
+    stalled = threading.Event()
+
+    def stalls_after_two(self):
+        it = original(self)
+        for _ in range(2):
+            yield next(it)
+        stalled.set()
+        threading.Event().wait()  # forever (a lock wait: signals interrupt it)
+
+    def term_when_stalled():
+        if stalled.wait(120):
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(data_setup.TrainData, "__iter__", stalls_after_two)
+    threading.Thread(target=term_when_stalled, daemon=True).start()
+    out = tmp_path / "out"
+    path = write_config(tiny_config(tiny_inputs, out, max_steps=6), tmp_path / "c.yaml")
+    t0 = time.monotonic()
+    assert main([str(path)]) == 75
+    assert time.monotonic() - t0 < 120
+    assert "SIGTERM: saved step 2 and stopped" in capsys.readouterr().err
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_000002"]
+    monkeypatch.setattr(data_setup.TrainData, "__iter__", original)
+    assert main([str(path), "trainer_args.resume_from=latest"]) == 0
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, 7))
 
 
 def test_resume_after_the_dataset_files_changed(tiny_inputs, tmp_path, capsys):

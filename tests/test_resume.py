@@ -20,8 +20,8 @@ def test_sigterm_then_resume_is_bitwise_equal(tiny_inputs, tmp_path, monkeypatch
     assert len(ref_losses) == steps
 
     # Interrupted run: SIGTERM arrives while step 2 is logged. Metrics are logged one step late
-    # (after step 3's work is queued), so the flag is seen when step 4 starts and step 4 is the
-    # last one, checkpointed.
+    # (after step 3's work is queued), so the signal comes during step 3; the flag is seen when
+    # step 4 would start, and step 3 is the last one, checkpointed at that boundary.
     import lmms_train._metrics as metrics
 
     original = metrics.JsonlSink.log
@@ -36,8 +36,8 @@ def test_sigterm_then_resume_is_bitwise_equal(tiny_inputs, tmp_path, monkeypatch
     train(config_from_dict(run))
     monkeypatch.setattr(metrics.JsonlSink, "log", original)
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
-    assert ckpts == ["step_000004"], ckpts
-    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 4
+    assert ckpts == ["step_000003"], ckpts
+    assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 3
 
     run["trainer_args"]["resume_from"] = "latest"
     train(config_from_dict(run))

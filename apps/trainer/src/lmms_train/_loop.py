@@ -70,6 +70,7 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
     peak_flops: float = 1.0
     stop_requested: bool = False
+    waiting_for_data: bool = False  # inside the data wait: SIGTERM interrupts it
     stopped: bool = False  # the loop ended before max_steps on SIGTERM, after saving
     guard: DivergenceGuard = field(default_factory=DivergenceGuard)  # non-finite values, flat runs
     slow_steps: SlowSteps = field(default_factory=SlowSteps)  # names one-off stalls on stderr
@@ -131,9 +132,16 @@ def evaluate(run: Run) -> float:
     return total / max(count, 1.0)  # both sums are over-counted by sp alike
 
 
+class _DataWaitInterrupted(Exception):
+    """SIGTERM arrived while the loop waited for data (a stalled loader cannot hold a run)."""
+
+
 def _install_sigterm(run: Run) -> Any:
     def handler(signum, frame):
         run.stop_requested = True
+        if run.waiting_for_data:  # the wait may never end: leave it (the packs are not needed)
+            run.waiting_for_data = False
+            raise _DataWaitInterrupted
 
     try:
         return signal.signal(signal.SIGTERM, handler)
@@ -149,6 +157,24 @@ class _Fetched:
     sums: dict[str, float]  # this rank's `batch_stats` plus the time blocked on the loader
     lens: list[int]
     data_state: dict[str, Any]  # the loader's position before these packs
+    interrupted: bool = False  # SIGTERM came first: no packs were read (the run stops)
+
+
+def _read(run: Run, data_iter: Any, n: int) -> list[dict[str, Any]]:
+    """`n` packs; raises `_DataWaitInterrupted` if SIGTERM came before or comes during the
+    wait (the flag is raised before the check, so no signal falls between them)."""
+    run.waiting_for_data = True
+    try:
+        if run.stop_requested:
+            raise _DataWaitInterrupted
+        return [next(data_iter) for _ in range(n)]
+    finally:
+        run.waiting_for_data = False
+
+
+def _interrupted(state: dict[str, Any]) -> _Fetched:
+    return _Fetched(batches=[], sums=dict.fromkeys(STAT_KEYS, 0.0), lens=[], data_state=state,
+                    interrupted=True)  # fmt: skip
 
 
 def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched:
@@ -161,7 +187,10 @@ def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched:
     if busy is not None:
         busy.record()
     t0 = time.perf_counter()
-    batches = [next(data_iter) for _ in range(t.gradient_accumulation_steps)]
+    try:
+        batches = _read(run, data_iter, t.gradient_accumulation_steps)
+    except _DataWaitInterrupted:  # SIGTERM: this step's packs are not needed
+        return _interrupted(state)
     read = time.perf_counter() - t0
     for b in batches:
         _add_loss_rows(run, b)
@@ -259,7 +288,8 @@ def train_loop(run: Run) -> dict[str, Any]:
 
             upcoming = _fetch(run, data_iter, flops_fn)  # step 1's packs, read once
             evaluating = bool(t.eval_steps and run.eval_data is not None)
-            warm_up(run, upcoming.batches[0], evaluate=evaluating)
+            if upcoming is not None and not upcoming.interrupted:
+                warm_up(run, upcoming.batches[0], evaluate=evaluating)
             graphs_seen = lmms_kernels.compile_counts()["graphs"]
         while run.state.step < t.max_steps:
             profiler.before_step(run.state.step + 1)
@@ -270,6 +300,11 @@ def train_loop(run: Run) -> dict[str, Any]:
             reduced = dict(
                 zip(STAT_KEYS, env.all_reduce([sums[k] for k in STAT_KEYS]), strict=True)
             )
+            if reduced["stop"]:  # SIGTERM on some rank: stop at this step boundary, saved
+                if queued is not None:
+                    last, queued = _finish(run, queued, phases), None
+                _stop(run, fetched.data_state)
+                break
             seq_max, neg_min, vision_max = env.all_reduce(
                 [float(max(lens, default=0)), -float(min(lens, default=0)), sums["flops_vision"]],
                 op="max",
@@ -415,6 +450,18 @@ def _moe_metrics(run: Run) -> tuple[tuple[str, ...], list[torch.Tensor]]:
     if run.spec.router_aux_enabled(run.model):
         names, pairs = ("moe/aux_loss", *names), [aux_sum, n_aux, *pairs]
     return names, pairs
+
+
+def _stop(run: Run, data_state: dict[str, Any]) -> None:
+    """SIGTERM: checkpoint the last finished step (unless it has one, or none ran) with the
+    loader's position after its packs, and end the run (exit 75)."""
+    ckpt, step = run.checkpointer.ckpt, run.state.step
+    latest = ckpt.latest()
+    if step > 0 and (latest is None or latest.name != ckpt.path(step).name):
+        _save(run, data_state)
+    run.stopped = True
+    if run.env.is_main:
+        print(f"[lmms-train] SIGTERM: saved step {step} and stopped", file=sys.stderr, flush=True)
 
 
 def _save(run: Run, data_state: dict[str, Any]) -> None:
