@@ -18,6 +18,9 @@ checks that this page is current. -->
 A run is one YAML file with three sections. Any key can be overridden on the command line with
 a dotted path: `lmms-train run.yaml trainer_args.max_steps=10 dataset_config.packing_length=2048`.
 Unknown keys and bad values are errors that name the key and suggest the closest valid one.
+Model, tokenizer/processor and dataset paths also take Hugging Face Hub ids (`org/name`,
+`org/name@revision`): see [weights.md](weights.md) for the cache, pre-downloading and
+air-gapped runs.
 """
 
 
