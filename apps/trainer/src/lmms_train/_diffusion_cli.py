@@ -58,7 +58,7 @@ def _options(args: list[str], names: tuple[str, ...], usage: str) -> tuple[list[
 
 
 def _spec_of(folder: Path) -> Any:
-    from lmms_models import get_model_spec
+    from lmms_models import get_model_spec, list_models
 
     conf_file = folder / "config.json"
     if not conf_file.is_file():
@@ -66,7 +66,12 @@ def _spec_of(folder: Path) -> Any:
     if not conf_file.is_file():
         raise UserError(f"{folder}: no config.json (give a run's hf/ folder)")
     conf = json.loads(conf_file.read_text())
-    name = "wan" if conf.get("_class_name") == "WanTransformer3DModel" else conf.get("model_type")
+    name = conf.get("model_type")
+    owners = [
+        n for n in list_models() if conf.get("_class_name") in get_model_spec(n).folder_class_names
+    ]
+    if owners:  # a diffusers folder (no model_type): the family that loads its class
+        name = owners[0]
     try:
         return get_model_spec(str(name))
     except KeyError as exc:
@@ -97,48 +102,40 @@ def render_main(args: list[str]) -> int:
     rest, o = _options(args, names, RENDER_USAGE)
     if len(rest) != 1 or "--out" not in o:
         raise UserError(RENDER_USAGE)
+    import functools
+
     import torch
 
+    from lmms_data import build_processor
+    from lmms_models import GeneratesLatents, RenderRequest, Renders
     from lmms_train._hub_ids import resolve_path_arg
-    from lmms_train._render import render_sit, render_wan
+    from lmms_train._render import write_media
 
     folder = Path(resolve_path_arg(rest[0], "model", "CHECKPOINT_DIR") or rest[0])
     if "--processor" in o:
         o["--processor"] = resolve_path_arg(o["--processor"], "processor", "--processor")
     spec = _spec_of(folder)
-    if spec.name == "bagel":  # prompt -> image (lmms_train._render.render_bagel)
-        from lmms_train._render import render_bagel
-
-        model = spec.build(pretrained=str(folder)).eval()
-        size = (int(o.get("--height", 32)), int(o.get("--width", 32)))
-        try:
-            path = render_bagel(
-                spec, model, o["--out"], prompts=o["--prompt"] or [""],
-                processor=o.get("--processor", str(folder)), size=size,
-                steps=int(o.get("--steps", 32)), guidance=float(o.get("--guidance", 1.0)),
-                seed=int(o.get("--seed", 0)),
-            )  # fmt: skip
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
-        print(f"lmms-train: wrote {path}", file=sys.stderr)
-        return 0
-    cfg = _objective_config(spec, folder, o.get("--objective-args"))
+    if not isinstance(spec, Renders):
+        raise UserError(f"{folder}: {spec.name} does not render (lmms_models.Renders)")
+    fm = None  # a latent denoiser samples the ODE of the run's flow-matching options
+    if isinstance(spec, GeneratesLatents):
+        fm = _objective_config(spec, folder, o.get("--objective-args"))
+    classes = tuple(int(c) for c in o["--classes"].split(",")) if "--classes" in o else None
+    request = RenderRequest(
+        folder=str(folder), processor=o.get("--processor"),
+        build_processor=functools.partial(build_processor, spec.processor_family),
+        prompts=tuple(o["--prompt"] or [""]), classes=classes,
+        per_class=int(o.get("--per-class", 4)), frames=int(o.get("--frames", 9)),
+        height=int(o.get("--height", 32)), width=int(o.get("--width", 32)),
+        steps=int(o.get("--steps", 32)), method=o.get("--method", "euler"),
+        guidance=float(o.get("--guidance", 1.0)), seed=int(o.get("--seed", 0)), flow_matching=fm,
+    )  # fmt: skip
     model = spec.build(pretrained=str(folder)).eval()
-    common = dict(steps=int(o.get("--steps", 32)), method=o.get("--method", "euler"),
-                  guidance=float(o.get("--guidance", 1.0)), seed=int(o.get("--seed", 0)))  # fmt: skip
-    with torch.no_grad():
-        if spec.name == "sit":
-            classes = [int(c) for c in o["--classes"].split(",")] if "--classes" in o else None
-            path = render_sit(spec, model, cfg, o["--out"], classes=classes,
-                              per_class=int(o.get("--per-class", 4)), **common)  # fmt: skip
-        else:
-            shape = (
-                int(o.get("--frames", 9)),
-                int(o.get("--height", 32)),
-                int(o.get("--width", 32)),
-            )
-            path = render_wan(spec, model, cfg, o["--out"], prompts=o["--prompt"] or [""],
-                              processor=o.get("--processor"), shape=shape, **common)  # fmt: skip
+    try:
+        with torch.no_grad():
+            path = write_media(spec.render(model, request), o["--out"])
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     print(f"lmms-train: wrote {path}", file=sys.stderr)
     return 0
 

@@ -197,7 +197,7 @@ def _check_frozen_encoders(spec: Any, env: DistEnv, t: Any) -> None:
     if t.frozen_encoders != "replicate" and not placeable:
         raise ConfigError(
             f"trainer_args.frozen_encoders: {t.frozen_encoders} is for families with a frozen "
-            f"encoder run on the fly (placeable_encoders), not {spec.name}"
+            f"text encoder run on the fly (spec.placeable_encoders), not {spec.name}"
         )
     if t.frozen_encoders == "shard" and not env.fsdp:
         raise ConfigError("trainer_args.frozen_encoders: shard needs FSDP: set trainer_args.fsdp")

@@ -7,7 +7,13 @@ sequence parallel. Adding a family is one folder under ``families/`` (docs/addin
 """
 
 from ._attention import UPSTREAM_BACKENDS, set_attention, text_attention_kwargs
-from ._capabilities import GeneratesLatents, HasExperts, MixedGeneration
+from ._capabilities import (
+    GeneratesLatents,
+    HasExperts,
+    MixedGeneration,
+    RenderRequest,
+    Renders,
+)
 from ._diffusion import DiffusionSpec, attach_encoder, get_encoder, place_encoders
 from ._flops import attention_flops
 from ._lora import LoraHandle, LoraOptions, apply_lora, quantize_base_nf4
@@ -36,6 +42,8 @@ __all__ = [
     "ModelSpec",
     "PatchEmbedHandle",
     "QwenVLSpec",
+    "RenderRequest",
+    "Renders",
     "SplitVision",
     "TowerShape",
     "VisionSplitPlan",

@@ -11,12 +11,14 @@ is written out in docs/contracts.md ("The family contract").
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["GeneratesLatents", "HasExperts", "MixedGeneration"]
+__all__ = ["GeneratesLatents", "HasExperts", "MixedGeneration", "RenderRequest", "Renders"]
 
 
 @runtime_checkable
@@ -99,3 +101,42 @@ class MixedGeneration(Protocol):
         self, model: nn.Module, batch: dict[str, Any], tokens: torch.Tensor | None,
         time: torch.Tensor | None, loss_backend: str = "auto", sp_group: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class RenderRequest:
+    """What ``lmms-train render`` asks of a trained export (every family reads what it uses).
+
+    * ``folder``: the export the model was loaded from; ``processor``: a tokenizer/processor
+      folder (None: the family's default, e.g. the export itself); ``build_processor(path,
+      **options)``: the data processor of the family's ``processor_family`` (lmms-data's,
+      handed in by the caller: lmms-models does not import lmms-data).
+    * ``prompts`` (text-conditioned), ``classes`` / ``per_class`` (class-conditioned; None: all).
+    * ``frames`` / ``height`` / ``width``: the media size in pixels (frames for video).
+    * ``steps``, ``method`` (``euler`` | ``heun``), ``guidance`` (classifier-free, 1: none),
+      ``seed``; ``flow_matching``: the run's ``FlowMatchingConfig`` (a latent denoiser's ODE).
+    """
+
+    folder: str
+    processor: str | None = None
+    build_processor: Callable[..., Any] | None = None
+    prompts: tuple[str, ...] = ("",)
+    classes: tuple[int, ...] | None = None
+    per_class: int = 4
+    frames: int = 9
+    height: int = 32
+    width: int = 32
+    steps: int = 32
+    method: str = "euler"
+    guidance: float = 1.0
+    seed: int = 0
+    flow_matching: Any = None
+
+
+@runtime_checkable
+class Renders(Protocol):
+    """Draws media from a trained export (``lmms-train render``). Returns uint8 RGB: an image
+    ``[H, W, 3]`` (a grid or a row of samples) or a video ``[F, H, W, 3]``; the caller writes the
+    file (PNG, GIF or MP4). Raises ValueError on a request the model cannot serve."""
+
+    def render(self, model: nn.Module, request: RenderRequest) -> np.ndarray: ...

@@ -99,6 +99,9 @@ class ModelSpec:
     #: besides its own name, e.g. flash-linear-attention's ``gated_deltanet`` or an Omni
     #: ``*_thinker`` folder: the trainer resolves such a folder to this family.
     folder_model_types: tuple[str, ...] = ()
+    #: diffusers' ``_class_name`` values of checkpoint folders this family loads (their
+    #: config.json has no ``model_type``), e.g. Wan's ``WanTransformer3DModel``.
+    folder_class_names: tuple[str, ...] = ()
     #: Parallel plans as data, ``{module pattern: style}`` relative to :meth:`plan_root`, applied
     #: by lmms_parallel's ``apply_tp`` / ``apply_ep`` (lmms_models._plans, EXPERTS_EP_PLAN).
     #: Empty: the family does not support that kind of parallelism.

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._capabilities import MixedGeneration
+from ..._capabilities import MixedGeneration, RenderRequest, Renders
 from ..._registry import register_model
 from ..._spec import ModelSpec
 from ._mask import CAUSAL, FULL, NOISE, PackLayout, dense_mask, span_attention
@@ -69,7 +69,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @register_model("bagel")
-class BagelSpec(ModelSpec, MixedGeneration):
+class BagelSpec(ModelSpec, MixedGeneration, Renders):
     """The engine's view of BAGEL. Not a transformers class: :meth:`build` makes a :class:`Bagel`."""
 
     processor_family = "bagel"
@@ -312,6 +312,12 @@ class BagelSpec(ModelSpec, MixedGeneration):
                 for lat, px in zip(batch["vae_latents"], pixels, strict=True)
             ]
         return batch
+
+    def render(self, model: nn.Module, request: RenderRequest) -> Any:
+        """One image per prompt, side by side (:func:`._render.render_images`)."""
+        from ._render import render_images
+
+        return render_images(self, model, request)
 
     def set_attention(self, model: nn.Module, **_: Any) -> dict[str, str]:
         return {}  # span attention is chosen per row (PackLayout.backend)

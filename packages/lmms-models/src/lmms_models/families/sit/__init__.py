@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._capabilities import RenderRequest, Renders
 from ..._diffusion import DiffusionSpec, call_denoiser, on_device
 from ..._registry import register_model
 from ._model import SiT, SiTBlock, SiTConfig, sincos_2d, timestep_features
@@ -34,12 +35,18 @@ PRESETS = {
 
 
 @register_model("sit")
-class SiTSpec(DiffusionSpec):
+class SiTSpec(DiffusionSpec, Renders):
     processor_family = "sit"
     presets = PRESETS
     objective_defaults = {"convention": "sit"}  # noqa: RUF012
     synthetic_kind = "shapes"
     encoder_classes = {"vae": ("diffusers", "AutoencoderKL", "")}  # noqa: RUF012
+
+    def render(self, model: nn.Module, request: RenderRequest) -> Any:
+        """A grid of samples, one row per class (:func:`._render.render_grid`)."""
+        from ._render import render_grid
+
+        return render_grid(self, model, request)
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
         conf = dict(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._capabilities import RenderRequest, Renders
 from ..._diffusion import (
     DiffusionSpec,
     call_denoiser,
@@ -70,8 +71,9 @@ TEXT_LEN = 512  # umT5 context Wan trains with (FLOPs of the cross-attention)
 
 
 @register_model("wan")
-class WanSpec(DiffusionSpec):
+class WanSpec(DiffusionSpec, Renders):
     processor_family = "wan"
+    folder_class_names = ("WanTransformer3DModel",)  # diffusers' transformer folder
     presets = PRESETS
     objective_defaults = {"convention": "rectified_flow", "shift": 5.0}  # noqa: RUF012
     synthetic_kind = "clips"
@@ -192,6 +194,12 @@ class WanSpec(DiffusionSpec):
         if sp_group is not None:  # every SP rank holds the full output: 1/sp of its gradient
             out = scale_grad(out, 1.0 / torch.distributed.get_world_size(sp_group))
         return out
+
+    def render(self, model: nn.Module, request: RenderRequest) -> Any:
+        """One clip per prompt, side by side (:func:`._render.render_clips`)."""
+        from ._render import render_clips
+
+        return render_clips(self, model, request)
 
     def install_sp(self, model: nn.Module, sp_group: Any) -> WanUlysses:
         """Ulysses SP over the video tokens (instance hooks; ``.remove()`` undoes them)."""
