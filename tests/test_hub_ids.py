@@ -241,3 +241,22 @@ def test_sample_and_render_take_hub_ids(offline, capsys):
         assert len(lines) == 1 and str(offline["cache"]) in lines[0], err
         assert ("--processor: 'lmms-test/no-processor'" in lines[0]) == ("--processor" in argv)
         assert "CHECKPOINT_DIR: 'lmms-test/not-cached'" in lines[0] or "--processor" in argv
+
+
+def test_only_id_shaped_paths_are_resolved(offline, tmp_path):
+    """In a config: ids resolve (model, processor, dataset); a data file's path and the folder a
+    demo processor is built into stay as written."""
+    from lmms_train._hub_ids import resolve_config_hub_ids
+    from lmms_train.config import config_from_dict
+
+    cfg = config_from_dict({
+        "model_config": {"load_from_pretrained_path": "lmms-test/tiny-qwen2",
+                         "processor_path": "demo/processor", "build_local_processor": True},
+        "dataset_config": {"dataset_path": ["data/missing.jsonl", "lmms-test/shapes-text"]},
+        "trainer_args": {"output_dir": str(tmp_path / "out")},
+    })  # fmt: skip
+    assert resolve_config_hub_ids(cfg) == []
+    assert cfg.model_config.load_from_pretrained_path.endswith(offline["commit"])
+    assert cfg.model_config.processor_path == "demo/processor"
+    first, second = cfg.dataset_config.dataset_path
+    assert first == "data/missing.jsonl" and second.endswith(offline["data_commit"])

@@ -16,12 +16,16 @@ from lmms_train.config import TrainConfig
 
 __all__ = ["raise_hub_problems", "resolve_config_hub_ids", "resolve_path_arg"]
 
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".feather", ".ipc", ".gz")
+
 
 def _one(value: Any, key: str, kind: str, problems: list[str]) -> Any:
     from lmms_data import HubError, is_hub_id, resolve_hub_path
 
     if not isinstance(value, str) or not is_hub_id(value):
         return value
+    if kind == "dataset" and value.lower().endswith(_DATA_SUFFIXES):
+        return value  # a data file's path (missing: the preflight says so), not a repo
     try:
         return resolve_hub_path(value, kind=kind)
     except HubError as exc:

@@ -101,8 +101,9 @@ def resolve_hub_path(value: str, *, kind: str = "model", timeout_s: float = 7200
         found = _cached(repo, revision, repo_type, cache)
         if found is None:
             raise HubError(
-                f"{value!r} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE=1 forbids "
-                f"downloading it (download it first: hf download {repo}"
+                f"{value!r} is no local path, and as a Hub {repo_type} id it is not in the Hugging "
+                f"Face cache {cache}; HF_HUB_OFFLINE=1 forbids downloading it (download it first: "
+                f"hf download {repo}"
                 + (f" --revision {revision}" if revision else "")
                 + (" --repo-type dataset" if kind == "dataset" else "")
                 + "; docs/weights.md)"
