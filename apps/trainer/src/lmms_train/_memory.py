@@ -33,9 +33,11 @@ __all__ = [
     "MemoryPlan",
     "ModelFacts",
     "device_gib",
+    "fsdp_shards",
     "layout_of",
     "model_facts",
     "plan_memory",
+    "state_bytes",
     "tower_tokens",
 ]
 
@@ -248,11 +250,14 @@ def _activations(facts: ModelFacts, lay: Layout) -> dict[str, dict[str, float]]:
             kept_ac = 2 * shape.hidden * tokens  # the block's input
         kept = (n - n_ac) * block + n_ac * kept_ac
         work = block * (1.5 if n_ac else 0.5)  # recomputed set + the backward's temporaries
+        frozen = name != "decoder" and not any(t for _, t in facts.blocks.get(name, []))
+        if frozen:  # a frozen media tower runs before anything trained: autograd keeps nothing
+            kept = work = 0.0
         out[name] = {"kept": kept, "block": block, "work": work, "tokens": tokens, "n_ac": n_ac}
     return out
 
 
-def _state_bytes(facts: ModelFacts, lay: Layout) -> dict[str, float]:
+def state_bytes(facts: ModelFacts, lay: Layout) -> dict[str, float]:
     """Weights, masters, gradients and optimizer state per GPU, before sharding."""
     p_all, p_tr = facts.total, facts.trainable
     if lay.optimizer == "muon":
@@ -278,7 +283,7 @@ def _state_bytes(facts: ModelFacts, lay: Layout) -> dict[str, float]:
     }
 
 
-def _shards(lay: Layout) -> int:
+def fsdp_shards(lay: Layout) -> int:
     return max(1, lay.gpus // (lay.dp_replicate * lay.tp)) if lay.fsdp else 1
 
 
@@ -295,8 +300,8 @@ def _comm_bytes(facts: ModelFacts, lay: Layout) -> float:
 
 def plan_memory(facts: ModelFacts, lay: Layout, capacity_gib: float) -> MemoryPlan:
     """The peak of one training step of `lay` per GPU (see the module doc)."""
-    shards = _shards(lay)
-    state = {k: (0.0 if lay.offload else v / shards) for k, v in _state_bytes(facts, lay).items()}
+    shards = fsdp_shards(lay)
+    state = {k: (0.0 if lay.offload else v / shards) for k, v in state_bytes(facts, lay).items()}
     grads_all = state.pop("gradients")
     base = {**state, "communication buffers (FSDP2)": _comm_bytes(facts, lay)}
     acts = _activations(facts, lay)
