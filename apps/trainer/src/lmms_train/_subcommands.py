@@ -158,7 +158,15 @@ USAGES = {
     "-V": "usage: lmms-train -V",
 }
 
+def launch_main(args: list[str]) -> int:
+    """`lmms-train launch`: torchrun with the workers' exit codes kept (`_launch`)."""
+    from lmms_train._launch import launch_main as run
+
+    return run(args)
+
+
 SUBCOMMANDS = {
+    "launch": launch_main,
     "plan": plan_main,
     "render": render_main,
     "precompute": precompute_main,

@@ -11,6 +11,7 @@
     lmms-train convert-config ENGINE.yaml [-o OUT.yaml] rewrite an lmms-engine config (docs/migrating-from-lmms-engine.md)
     lmms-train sample CKPT_DIR --prompt TEXT [...]      decode from a masked-diffusion checkpoint (docs/diffusion-lm.md)
     lmms-train --version                                versions of lmms packages, torch, transformers
+    lmms-train launch [TORCHRUN OPTIONS] CONFIG.yaml   torchrun keeping the exit codes 2 / 75 / 130 (docs/failures.md)
     --debug (anywhere)                                  show the traceback of user errors too
 
 Exit codes (docs/failures.md): 0 finished; 2 a problem with the user's input (config, data, file
@@ -152,7 +153,16 @@ def _run(argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `lmms-train` script; returns (and exits with) the status code."""
+    """Entry point of the `lmms-train` script; returns (and exits with) the status code. Under
+    `lmms-train launch` each worker also records its code for the launcher (`_launch`)."""
+    from lmms_train._launch import recording_exit
+
+    with recording_exit() as outcome:
+        outcome.code = _main(argv)
+    return outcome.code
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("LMMS_TRAIN_DEBUG") == "1" or "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
