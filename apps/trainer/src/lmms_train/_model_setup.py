@@ -82,6 +82,11 @@ def resolve_spec(cfg: TrainConfig) -> Any:
         owners = [n for n in registered if name in get_model_spec(n).folder_model_types]
         name = owners[0] if len(owners) == 1 else name
     if name not in registered:
+        from lmms_models import unavailable_models
+
+        why = unavailable_models().get(name)  # a family whose optional dependency fails here
+        if why is not None:
+            raise ConfigError(f"model_config: {why}")
         raise ConfigError(
             f"model type {name!r} is not registered{suggest(name, registered)}; "
             f"registered: {', '.join(registered)}"

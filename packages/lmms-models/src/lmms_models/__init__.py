@@ -20,7 +20,14 @@ from ._lora import LoraHandle, LoraOptions, apply_lora, quantize_base_nf4
 from ._memory import TowerShape, decoder_tower
 from ._moe import EXPERTS_EP_PLAN, ExpertLoadMeter, MoESpecMixin, expert_load_meter
 from ._patch_embed import PatchEmbedHandle, linear_patch_embed
-from ._registry import MODEL_REGISTRY, get_model_spec, list_models, register_model
+from ._registry import (
+    MODEL_REGISTRY,
+    FamilyUnavailableError,
+    get_model_spec,
+    list_models,
+    register_model,
+    unavailable_models,
+)
 from ._spec import IGNORE_INDEX, ModelSpec, shift_labels_packed, to_device
 from ._vision_split import SplitVision, VisionSplitPlan
 from ._vl import TINY_TOKEN_IDS, QwenVLSpec
@@ -33,6 +40,7 @@ __all__ = [
     "UPSTREAM_BACKENDS",
     "DiffusionSpec",
     "ExpertLoadMeter",
+    "FamilyUnavailableError",
     "GeneratesLatents",
     "HasExperts",
     "LoraHandle",
@@ -63,4 +71,5 @@ __all__ = [
     "shift_labels_packed",
     "text_attention_kwargs",
     "to_device",
+    "unavailable_models",
 ]
