@@ -78,7 +78,7 @@ def _spec_of(folder: Path) -> Any:
         raise UserError(f"{folder}: not a diffusion checkpoint ({exc.args[0]})") from None
 
 
-def _objective_config(spec: Any, folder: Path, override: str | None) -> Any:
+def _objective_config(spec: Any, folder: Path, override: dict[str, Any] | None) -> Any:
     """The flow-matching options the run trained with: the run's config.yaml (next to hf/),
     over the family's defaults; ``--objective-args`` JSON wins."""
     import yaml
@@ -91,9 +91,71 @@ def _objective_config(spec: Any, folder: Path, override: str | None) -> Any:
         model_cfg = (yaml.safe_load(run_cfg.read_text()) or {}).get("model_config", {})
         args.update(model_cfg.get("objective_args") or {})
     if override:
-        args.update(json.loads(override))
+        args.update(override)
     args.pop("cfg_dropout", None)
-    return FlowMatchingConfig(**args)
+    try:
+        return FlowMatchingConfig(**args)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"render: the flow-matching options: {exc}") from None
+
+
+_MEDIA_SUFFIXES = (".png", ".gif", ".mp4")
+_RENDER_INTS = {"--steps": 32, "--seed": 0, "--per-class": 4, "--frames": 9, "--height": 32,
+                "--width": 32}  # fmt: skip
+
+
+def _render_options(o: dict[str, Any]) -> dict[str, Any]:
+    """The render options parsed and checked before any work (all problems in one report)."""
+    import importlib.util
+    import math
+
+    problems: list[str] = []
+    vals: dict[str, Any] = {}
+    for name, default in _RENDER_INTS.items():
+        try:
+            vals[name] = int(o.get(name, default))
+        except ValueError:
+            problems.append(f"{name}: expected an integer, got {o[name]!r}")
+            continue
+        low = 0 if name == "--seed" else 1
+        if vals[name] < low:
+            problems.append(f"{name} must be >= {low}, got {vals[name]}")
+    try:
+        vals["--guidance"] = float(o.get("--guidance", 1.0))
+        if not (math.isfinite(vals["--guidance"]) and vals["--guidance"] >= 0):
+            problems.append(f"--guidance must be a finite number >= 0, got {o['--guidance']}")
+    except ValueError:
+        problems.append(f"--guidance: expected a number, got {o['--guidance']!r}")
+    vals["--method"] = o.get("--method", "euler")
+    if vals["--method"] not in ("euler", "heun"):
+        problems.append(f"--method: {vals['--method']!r} is not one of euler, heun")
+    try:
+        classes = o["--classes"].split(",") if "--classes" in o else None
+        vals["--classes"] = None if classes is None else tuple(int(c) for c in classes)
+        if vals["--classes"] is not None and min(vals["--classes"]) < 0:
+            problems.append(f"--classes: class labels are >= 0, got {o['--classes']!r}")
+    except ValueError:
+        problems.append(f"--classes: expected integers like 0,1,2, got {o['--classes']!r}")
+    try:
+        vals["--objective-args"] = (
+            json.loads(o["--objective-args"]) if "--objective-args" in o else None
+        )
+        if vals["--objective-args"] is not None and not isinstance(vals["--objective-args"], dict):
+            problems.append("--objective-args: expected a JSON object")
+    except ValueError as exc:
+        problems.append(f"--objective-args: not JSON: {exc}")
+    suffix = Path(o["--out"]).suffix.lower()
+    if suffix not in _MEDIA_SUFFIXES:
+        problems.append(
+            f"--out {o['--out']!r}: the file type comes from its suffix: {', '.join(_MEDIA_SUFFIXES)}"
+        )
+    elif suffix == ".mp4" and importlib.util.find_spec("av") is None:
+        problems.append("--out .mp4 needs PyAV (pip install av); or write a .gif")
+    if problems:
+        from lmms_train._errors import ConfigError
+
+        raise ConfigError([f"render: {p}" for p in problems])
+    return vals
 
 
 def render_main(args: list[str]) -> int:
@@ -102,6 +164,7 @@ def render_main(args: list[str]) -> int:
     rest, o = _options(args, names, RENDER_USAGE)
     if len(rest) != 1 or "--out" not in o:
         raise UserError(RENDER_USAGE)
+    v = _render_options(o)  # before any model code is imported
     import functools
 
     import torch
@@ -119,16 +182,14 @@ def render_main(args: list[str]) -> int:
         raise UserError(f"{folder}: {spec.name} does not render (lmms_models.Renders)")
     fm = None  # a latent denoiser samples the ODE of the run's flow-matching options
     if isinstance(spec, GeneratesLatents):
-        fm = _objective_config(spec, folder, o.get("--objective-args"))
-    classes = tuple(int(c) for c in o["--classes"].split(",")) if "--classes" in o else None
+        fm = _objective_config(spec, folder, v["--objective-args"])
     request = RenderRequest(
         folder=str(folder), processor=o.get("--processor"),
         build_processor=functools.partial(build_processor, spec.processor_family),
-        prompts=tuple(o["--prompt"] or [""]), classes=classes,
-        per_class=int(o.get("--per-class", 4)), frames=int(o.get("--frames", 9)),
-        height=int(o.get("--height", 32)), width=int(o.get("--width", 32)),
-        steps=int(o.get("--steps", 32)), method=o.get("--method", "euler"),
-        guidance=float(o.get("--guidance", 1.0)), seed=int(o.get("--seed", 0)), flow_matching=fm,
+        prompts=tuple(o["--prompt"] or [""]), classes=v["--classes"],
+        per_class=v["--per-class"], frames=v["--frames"], height=v["--height"],
+        width=v["--width"], steps=v["--steps"], method=v["--method"],
+        guidance=v["--guidance"], seed=v["--seed"], flow_matching=fm,
     )  # fmt: skip
     model = spec.build(pretrained=str(folder)).eval()
     try:

@@ -9,6 +9,7 @@ import yaml
 
 from lmms_train._diffusion_cli import PRECOMPUTE_USAGE, RENDER_USAGE, precompute_main, render_main
 from lmms_train._errors import ConfigError, UserError
+from lmms_train._launch import USAGE as LAUNCH_USAGE
 from lmms_train._plan import PLAN_USAGE
 
 __all__ = [
@@ -104,6 +105,30 @@ SAMPLE_USAGE = (
 )
 
 
+def _check_sample_options(nums: dict[str, float]) -> None:
+    """`sample`'s numbers, all problems at once (ConfigError), before any work."""
+    import math
+
+    gen, steps = int(nums.get("--gen-length", 32)), int(nums.get("--steps", 32))
+    block = int(nums.get("--block-length", gen))
+    problems = [
+        f"{k} must be >= 1, got {int(nums[k])}"
+        for k in ("--gen-length", "--steps", "--block-length")
+        if k in nums and nums[k] < 1
+    ]
+    temp = nums.get("--temperature", 0.0)
+    if not (math.isfinite(temp) and temp >= 0):
+        problems.append(f"--temperature must be a finite number >= 0 (0: greedy), got {temp}")
+    if nums.get("--mask-token-id", 0) < 0:
+        problems.append(f"--mask-token-id must be >= 0, got {int(nums['--mask-token-id'])}")
+    if not problems and gen % block:
+        problems.append(f"--gen-length {gen} must be a multiple of --block-length {block}")
+    elif not problems and (steps % (gen // block) or steps < gen // block):
+        problems.append(f"--steps {steps} must be a positive multiple of the {gen // block} blocks")
+    if problems:
+        raise ConfigError([f"sample: {p}" for p in problems])
+
+
 def sample_main(args: list[str]) -> int:
     """Decode text from a masked-diffusion checkpoint folder (iterative unmasking, low-confidence
     remasking; docs/diffusion-lm.md) and print it."""
@@ -120,6 +145,7 @@ def sample_main(args: list[str]) -> int:
                 if v is not None and k not in ("--prompt", "--processor")}  # fmt: skip
     except ValueError as exc:
         raise UserError(f"{SAMPLE_USAGE}\n{exc}") from None
+    _check_sample_options(nums)  # before the checkpoint or the tokenizer is read
     from lmms_train._hub_ids import resolve_path_arg
     from lmms_train._sample import sample_text
 
@@ -148,6 +174,7 @@ def plan_main(args: list[str]) -> int:
 
 # `lmms-train NAME --help` (cli.py); a command not named here shows its function's docstring
 USAGES = {
+    "launch": LAUNCH_USAGE,
     "plan": PLAN_USAGE,
     "check-data": CHECK_USAGE,
     "convert-config": CONVERT_USAGE,
@@ -157,6 +184,7 @@ USAGES = {
     "--version": "usage: lmms-train --version",
     "-V": "usage: lmms-train -V",
 }
+
 
 def launch_main(args: list[str]) -> int:
     """`lmms-train launch`: torchrun with the workers' exit codes kept (`_launch`)."""
