@@ -25,9 +25,15 @@ from lmms_train._convert_tables import (
     _FREEZE,
     _HF_DEFAULT_ONLY,
     _HF_IGNORED,
+    _LIGER_TOGGLES,
+    _MODEL_TYPES,
     _SAME,
+    _SAME_AS_OURS,
     _SCHEDULES,
     _SECTIONS,
+    _TEXT_DATASET_TYPES,
+    _TRAINERS,
+    _VIDEO_EXTRA,
     DOC,
 )
 
@@ -113,12 +119,16 @@ class _Converter:
             if key in _SECTIONS:
                 continue
             if key == "trainer_type":
-                if value in ("fsdp2_trainer", "hf_trainer", None):
+                if _TRAINERS.get(value):
+                    self.set("model_config.objective", _TRAINERS[value], key,
+                             "lmms-train's one trainer with this objective (docs/diffusion-lm.md)")  # fmt: skip
+                elif value in _TRAINERS or value is None:
                     self.drop(key, "lmms-train has one trainer: FSDP2 on several processes, "
                                    "bf16 + fp32 master weights on one")  # fmt: skip
                 else:
-                    self.problem(key, value, "lmms-train trains next-token cross-entropy with "
-                                             "its one trainer; other objectives are not ported")  # fmt: skip
+                    self.problem(key, value, "lmms-train has one trainer whose objective is "
+                                 "model_config.objective (causal_lm, masked_diffusion, ...); "
+                                 "other trainers (RL, ...) are not ported")  # fmt: skip
             elif key == "extra_kwargs":
                 if value:
                     self.problem(key, value, "custom options go to dataset_config.extra")
@@ -149,10 +159,14 @@ class _Converter:
                         f"trainer_args.attn_backend, one of {sorted(set(_ATTENTION.values()))}",
                     )
             elif key == "load_from_config" and isinstance(value, dict):
-                self.set(
-                    "model_config.load_from_config",
-                    {k: v for k, v in value.items() if v is not None},
-                )
+                conf = {k: v for k, v in value.items() if v is not None}
+                if conf.get("model_type") in _MODEL_TYPES:
+                    self.model_type(f"{src}.model_type", conf.pop("model_type"), conf)
+                self.set("model_config.load_from_config", conf)
+            elif key == "model_type" and value in _MODEL_TYPES:
+                self.model_type(src, value, None)
+            elif key in _SAME_AS_OURS:
+                self.same_as_ours(src, key, value)
             elif key == "overwrite_config":
                 if value:
                     if isinstance(m.get("load_from_config"), dict):
@@ -177,11 +191,46 @@ class _Converter:
             if key == "patch_type":
                 if "liger" in (value or []):
                     self.set("trainer_args.use_liger_kernel", True, f"{src}.patch_type")
+                others = [v for v in value or [] if v not in ("liger", "video")]
+                if others:
+                    self.problem(f"{src}.patch_type", others, "lmms-train applies Liger's "
+                                 "kernels (trainer_args.use_liger_kernel) and nothing else")  # fmt: skip
+                if "video" in (value or []):
+                    self.drop(f"{src}.patch_type", "'video': LLaVA-OneVision's video features "
+                              "are part of the llava_onevision family")  # fmt: skip
             elif key == "use_rmpad":
                 self.set("trainer_args.use_rmpad", bool(value), f"{src}.use_rmpad")
-            else:  # rope / swiglu / rms_norm / cross_entropy / fused_linear_cross_entropy
-                self.drop(f"{src}.{key}", "lmms-train always uses a fused linear cross-entropy "
-                          "(trainer_args.loss_backend) and applies Liger's modules per family")  # fmt: skip
+            elif key == "add_faster_video":
+                if value:
+                    self.problem(f"{src}.{key}", value, "LLaVA-Video's slow-fast frames are not "
+                                 "ported: set it to false")  # fmt: skip
+                else:
+                    self.drop(f"{src}.{key}", "false: slow-fast frames off, as in lmms-train")
+            elif key in _LIGER_TOGGLES:
+                self.drop(f"{src}.{key}", _LIGER_TOGGLES[key])
+            else:
+                self.unknown(f"{src}.{key}", value, "monkey_patch_kwargs",
+                             ("patch_type", "use_rmpad", *_LIGER_TOGGLES))  # fmt: skip
+
+    def model_type(self, src: str, value: str, conf: dict[str, Any] | None) -> None:
+        """An lmms-engine model type that is an lmms-train family + objective."""
+        family, objective = _MODEL_TYPES[value]
+        if conf is not None:
+            conf["model_type"] = family
+            self.c.notes.append(f"{src} -> model_config.load_from_config.model_type: {family!r}")
+        else:
+            self.set("model_config.model_type", family, src)
+        if objective:
+            self.set("model_config.objective", objective, src, "the family with this objective")
+
+    def same_as_ours(self, src: str, key: str, value: Any) -> None:
+        """A setting at the value lmms-train always uses: a no-op, said in a note."""
+        values, note = _SAME_AS_OURS[key]
+        if value is None or value in values:
+            if value is not None:
+                self.drop(src, f"{value!r} is what lmms-train does: {note}")
+        else:
+            self.problem(src, value, note)
 
     def dataset(self, d: dict[str, Any]) -> None:
         from lmms_train.config._schema import DatasetConfig
@@ -196,6 +245,11 @@ class _Converter:
                              "messages / LLaVA / ShareGPT records, detected per record")  # fmt: skip
                 elif value in _registered_dataset_types():  # lmms-train's own (e.g. text)
                     self.set("dataset_config.dataset_type", value, src, "registered in lmms-data")
+                elif value in _TEXT_DATASET_TYPES:
+                    self.set("dataset_config.dataset_type", "text", src,
+                             "plain-text records ({'text': ...}) for pretraining")  # fmt: skip
+                    self.set("dataset_config.processor_family", "text_pretrain", src,
+                             "no chat template, EOS after each document, every token a target")  # fmt: skip
                 else:
                     self.problem(src, value, "register a record adapter with "
                                  "@lmms_data.register_dataset and name it in dataset_type")  # fmt: skip
@@ -231,6 +285,8 @@ class _Converter:
             elif key in ("filter_overlong", "filter_overlong_workers", "max_length"):
                 self.drop(src, "a sample longer than packing_length is a too_long bad record: "
                                "skipped and counted while streaming, never truncated")  # fmt: skip
+            elif key == "extra_kwargs" and d.get("dataset_type") == "llava_video" and value:
+                self.video_extra(src, value)
             elif key in ("extra_kwargs", "tokenizer"):
                 if value:
                     home = (
@@ -290,13 +346,37 @@ class _Converter:
         elif folders and next(iter(folders)):
             self.set("dataset_config.data_folder", next(iter(folders)), f"{src}[*].data_folder")
 
+    def video_extra(self, src: str, extra: dict[str, Any]) -> None:
+        """lmms-engine's LLaVA-Video dataset options."""
+        for key, value in extra.items():
+            if key in _VIDEO_EXTRA:
+                self.set(_VIDEO_EXTRA[key], value, f"{src}.{key}")
+            elif key == "force_sample":
+                self.drop(f"{src}.{key}", "frames are sampled at dataset_config.video_fps, at most "
+                          "video_max_frames of them")  # fmt: skip
+            elif key == "add_time_instruction":
+                self.drop(f"{src}.{key}", "not ported: prompts get no frame-time instruction")
+            else:
+                self.set(f"dataset_config.extra.{key}", value, f"{src}.{key}")
+
     def processor(self, src: str, p: dict[str, Any]) -> None:
+        from lmms_data import PROCESSOR_REGISTRY
+
         for key, value in p.items():
             if key == "processor_name":
-                self.set("model_config.processor_path", value, f"{src}.{key}")
+                if value:
+                    self.set("model_config.processor_path", value, f"{src}.{key}")
+                else:
+                    self.drop(f"{src}.{key}", "empty: the processor is the model folder's")
             elif key == "processor_type":
-                self.set("dataset_config.processor_family", value, f"{src}.{key}",
-                         "an lmms_data processor (default: the model family's)")  # fmt: skip
+                if self.out["dataset_config"].get("processor_family") == "text_pretrain":
+                    self.drop(f"{src}.{key}", "plain-text pretraining uses text_pretrain")
+                elif value in PROCESSOR_REGISTRY.names():
+                    self.set("dataset_config.processor_family", value, f"{src}.{key}",
+                             "an lmms_data processor (default: the model family's)")  # fmt: skip
+                else:
+                    self.drop(f"{src}.{key}", f"{value!r}: the model family's lmms_data "
+                              "processor is used")  # fmt: skip
             elif key in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels"):
                 self.set(f"dataset_config.{key}", value, f"{src}.{key}")
             elif key in ("extra_kwargs",) and not value:
@@ -304,6 +384,18 @@ class _Converter:
             else:
                 self.set(f"dataset_config.extra.{key}", value, f"{src}.{key}",
                          "a keyword option of the lmms_data processor")  # fmt: skip
+
+    def pixel_floors(self) -> None:
+        """A pixel cap below lmms-train's default floor lowers the floor to it (lmms-engine's
+        processors have lower floors; e.g. video_max_pixels: 50176)."""
+        from lmms_train.config._schema import DatasetConfig
+
+        out = self.out["dataset_config"]
+        for lo, hi in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
+            floor = DatasetConfig.__dataclass_fields__[lo].default
+            if isinstance(out.get(hi), int) and lo not in out and out[hi] < floor:
+                self.set(f"dataset_config.{lo}", out[hi], f"dataset_config.{hi}",
+                         f"lmms-train's default {lo}, {floor}, is above it")  # fmt: skip
 
     def default_only(self, src: str, key: str, value: Any) -> None:
         default, home = _HF_DEFAULT_ONLY[key]
@@ -334,13 +426,22 @@ class _Converter:
             elif key == "max_steps":
                 if has_steps:
                     self.set("trainer_args.max_steps", value)
+                elif "num_train_epochs" not in t:
+                    self.problem(src, value, "lmms-train runs for trainer_args.max_steps, or "
+                                 "max_steps: -1 with dataset_config.num_epochs")  # fmt: skip
+            elif key == "deepspeed":
+                if value:
+                    self.drop(src, "lmms-train shards with FSDP2 (ZeRO-3-like; "
+                              "trainer_args.fsdp, dp_replicate, fsdp_cpu_offload): the DeepSpeed "
+                              "JSON is not read")  # fmt: skip
             elif key == "num_train_epochs":
                 if has_steps:
                     self.drop(src, "max_steps is set and wins (as in HF); the data repeats")
                 else:
-                    self.set("dataset_config.num_epochs", int(value or 1), src)
-                    self.problem(src, value, "lmms-train runs for trainer_args.max_steps: set it "
-                                 "(lmms-train check-data CONFIG estimates the steps per epoch)")  # fmt: skip
+                    self.set("dataset_config.num_epochs", max(1, round(value or 1)), src,
+                             "with trainer_args.max_steps: -1 the run ends after this many "
+                             "passes over the data")  # fmt: skip
+                    self.set("trainer_args.max_steps", -1)
             elif key == "dataloader_num_workers":
                 self.set("dataset_config.num_workers", value, src)
             elif key == "dataloader_prefetch_factor":
@@ -404,6 +505,8 @@ class _Converter:
             elif key in ("reduce_dtype", "output_dtype"):
                 self.drop(src, "lmms-train reduces gradients in fp32 and computes in bf16; the "
                                "export dtype is trainer_args.export_dtype")  # fmt: skip
+            elif key in _SAME_AS_OURS:
+                self.same_as_ours(src, key, value)
             elif key in _HF_DEFAULT_ONLY:
                 self.default_only(src, key, value)
             elif key in _HF_IGNORED:
@@ -460,6 +563,7 @@ def convert(raw: Any, *, base: str | Path = ".") -> Conversion:
             handler(value)
         elif value is not None:
             cv.c.problems.append(f"{section}: expected a mapping, got {type(value).__name__}")
+    cv.pixel_floors()
     if cv.c.dropped_hf:
         cv.c.notes.append(
             f"{len(cv.c.dropped_hf)} HF Trainer bookkeeping keys dropped (logging, hub, device "

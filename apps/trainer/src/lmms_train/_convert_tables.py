@@ -130,7 +130,6 @@ _HF_IGNORED = frozenset(
 # HF settings that change training: fine at their default, a problem otherwise (value -> home)
 _HF_DEFAULT_ONLY = {
     "fp16": (False, "lmms-train computes in bf16 (trainer_args.bf16) with fp32 master weights"),
-    "deepspeed": (None, "lmms-train shards with FSDP2 (trainer_args.fsdp, dp_replicate)"),
     "label_smoothing_factor": (0.0, "not supported: the loss is plain token cross-entropy"),
     "neftune_noise_alpha": (None, "not supported"),
     "adafactor": (False, "trainer_args.optimizer is adamw or muon"),
@@ -145,6 +144,35 @@ _HF_DEFAULT_ONLY = {
     "bucket_name": (None, "lmms-train reads local or mounted files (dataset_path)"),
     "data_seed": (None, "dataset_config.seed"),
 }
+# settings at a value lmms-train always uses: accepted as no-ops with this note (other values
+# are problems naming the home of the setting, as in _HF_DEFAULT_ONLY)
+_SAME_AS_OURS = {
+    "torch_compile_backend": (("inductor",), "trainer_args.compile compiles with Inductor"),
+    "torch_compile_mode": (("default",), "trainer_args.compile uses Inductor's default mode"),
+    "torch_dtype": (("bfloat16", "bf16", "float32", "auto"), "the weights load in fp32 (master "
+                    "weights) and compute in bf16 with trainer_args.bf16"),
+}  # fmt: skip
+# Liger kernel toggles of monkey_patch_kwargs (lmms-engine's per-kernel switches) -> the note
+_LIGER_TOGGLES = {
+    "rope": "Liger's RoPE kernel: lmms-train never patches rotary embeddings (docs/kernels.md)",
+    "swiglu": "Liger's SwiGLU kernel: applied to the family's MLPs whenever "
+              "trainer_args.use_liger_kernel is on (no per-kernel switch; docs/kernels.md)",
+    "rms_norm": "Liger's RMSNorm kernel: applied to the family's norms whenever "
+                "trainer_args.use_liger_kernel is on (no per-kernel switch; docs/kernels.md)",
+    "cross_entropy": "the loss is always a fused linear cross-entropy (trainer_args.loss_backend)",
+    "fused_linear_cross_entropy": "the loss is always a fused linear cross-entropy "
+                                  "(trainer_args.loss_backend)",
+    "faster_token_stride": "LLaVA-Video slow-fast frames (add_faster_video) are not ported",
+    "mm_spatial_pool_stride": "videos are pooled as the LLaVA-OneVision model's own config says",
+    "mm_spatial_pool_mode": "videos are pooled as the LLaVA-OneVision model's own config says",
+}  # fmt: skip
+# lmms-engine trainers -> the lmms-train objective that trains the same thing
+_TRAINERS = {"fsdp2_trainer": None, "hf_trainer": None, "dllm_trainer": "masked_diffusion"}
+# lmms-engine model types that are a family + an objective in lmms-train
+_MODEL_TYPES = {
+    "qwen3_dllm": ("qwen3", "masked_diffusion"),
+    "llava_video": ("llava_onevision", None),
+}
 _SCHEDULES = {"constant": "constant", "constant_with_warmup": "constant", "linear": "linear",
               "cosine": "cosine", "cosine_with_min_lr": "cosine", "warmup_stable_decay": "wsd",
               "wsd": "wsd"}  # fmt: skip
@@ -152,6 +180,11 @@ _ATTENTION = {"flash_attention_2": "auto", "flash_attention_3": "auto", "sdpa": 
               "eager": "sdpa", "flex_attention": "flex"}  # fmt: skip
 _DATASET_TYPES = ("vision", "vision_iterable", "vision_audio", "vision_audio_iterable",
                   "qwen3_vl_iterable", "qwen_omni_iterable", "qwen3_5_iterable", "multimodal",
-                  "chat")  # fmt: skip
+                  "chat", "llava_video")  # fmt: skip
+# lmms-engine pretraining text datasets -> lmms-data's `text` adapter (plain text records)
+_TEXT_DATASET_TYPES = ("fineweb_edu", "fineweb", "pretrain", "text_pretrain")
+# the keys of lmms-engine's LLaVA-Video dataset extra_kwargs -> their lmms-train home
+_VIDEO_EXTRA = {"data_folder": "dataset_config.data_folder",
+                "frames_upbound": "dataset_config.video_max_frames"}  # fmt: skip
 _FREEZE = {"visual": "vision_tower", "vision_tower": "vision_tower", "audio_tower": "audio_tower",
            "embed_tokens": "embeddings", "lm_head": "lm_head"}  # fmt: skip
