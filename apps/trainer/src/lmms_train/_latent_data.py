@@ -62,13 +62,16 @@ def build_latent_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainD
     d, t = cfg.dataset_config, cfg.trainer_args
     if not _exists(d.dataset_path):
         raise UserError(f"dataset_config.dataset_path: {d.dataset_path!r} does not exist")
-    tokens_fn = spec.tokens_fn(model_config_for_data(cfg, spec))
+    model_conf = model_config_for_data(cfg, spec)
+    tokens_fn = spec.tokens_fn(model_conf)
+    num_classes = spec.num_classes(model_conf)  # labels out of range are bad records
     tokenizer = _tokenizer(cfg)
 
     def loader(dcfg: Any) -> Any:
         try:
             return build_latent_loader(dcfg, dp_rank=env.dp_rank, dp_world=env.dp_size,
-                                       tokens_fn=tokens_fn, tokenizer=tokenizer)  # fmt: skip
+                                       tokens_fn=tokens_fn, tokenizer=tokenizer,
+                                       num_classes=num_classes)  # fmt: skip
         except ValueError as exc:
             raise ConfigError(f"dataset_config: {exc}") from exc
 

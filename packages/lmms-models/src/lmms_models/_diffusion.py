@@ -145,6 +145,11 @@ class DiffusionSpec(ModelSpec, GeneratesLatents):
         (``(1, 1, None)`` without one: pixel space or precomputed latents)."""
         return 1, 1, None
 
+    def num_classes(self, config: dict[str, Any]) -> int | None:
+        """How many class labels the model embeds (a label must lie in ``[0, n)``); None: the
+        family takes no class labels (text-conditioned)."""
+        return None
+
     def tokens_fn(self, config: dict[str, Any]) -> Any:
         """``shape -> tokens``: transformer tokens of a sample whose batch entry (pixels, or
         latents when the shape's channels are the VAE's) has ``shape`` (no batch dim)."""

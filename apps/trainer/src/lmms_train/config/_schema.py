@@ -126,9 +126,7 @@ class ModelConfig:
 class SyntheticDataConfig:
     """Generate a deterministic synthetic dataset if `dataset_path` is missing."""
 
-    kind: (
-        Literal["vl", "text", "shapes", "clips", "audio", "omni", "bagel", "preference"] | None
-    ) = _f(
+    kind: Literal["vl", "text", "shapes", "clips", "audio", "omni", "bagel"] | None = _f(
         None,
         "`shapes`: coloured shapes with class labels, `clips`: moving-shape clips with captions "
         "(diffusion transformers: `lmms_data.generate_synthetic_shapes` / `_clips`; the "
@@ -260,11 +258,7 @@ class TrainerArgs:
         None, "Name shown in wandb/TensorBoard (default: output folder name)."
     )
     seed: int = _f(42, "Seed of model init, data order and dropout.")
-    max_steps: int = _f(
-        100,
-        "Optimizer steps to train for (the run length). `-1`: until `dataset_config.num_epochs` "
-        "passes over the data end (the LR schedule is then warmup, then constant).",
-    )
+    max_steps: int = _f(100, "Optimizer steps to train for (the run length).")
     gradient_accumulation_steps: int = _f(
         1, "Micro-batches (packs) per rank per optimizer step; gradients sync once per step."
     )

@@ -62,6 +62,10 @@ class SiTSpec(DiffusionSpec, Renders):
             raise ValueError(f"config says model_type={conf['model_type']!r}; sit builds 'sit'")
         return SiTConfig(**conf)
 
+    def num_classes(self, config: dict[str, Any]) -> int | None:
+        """The label embedding's classes (one more row holds the null class of CFG)."""
+        return self.make_config(config).num_classes
+
     def build(
         self,
         *,
