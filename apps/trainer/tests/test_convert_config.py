@@ -18,6 +18,13 @@ from lmms_train._convert_config import (
     looks_like_lmms_engine,
     render,
 )
+from lmms_train._convert_tables import (
+    _LIGER_TOGGLES,
+    _MODEL_TYPES,
+    _SAME_AS_OURS,
+    _TRAINERS,
+    _VIDEO_EXTRA,
+)
 from lmms_train.config import config_from_dict
 
 REPO = Path(__file__).resolve().parents[3]
@@ -205,15 +212,15 @@ def test_list_form_and_external_data_list(tmp_path):
     ("patch", "expect"),
     [
         ({"trainer_args": {"fp16": True}}, "trainer_args.fp16: True cannot be converted: lmms-train computes in bf16"),
-        ({"trainer_args": {"deepspeed": "z3.json"}}, "FSDP2"),
-        ({"trainer_args": {"max_steps": -1}}, "trainer_args.num_train_epochs: 1 cannot be converted: lmms-train runs for trainer_args.max_steps"),
+        ({"trainer_args": {"torch_compile_backend": "cudagraphs"}}, "compiles with Inductor"),
+        ({"model_config": {"torch_dtype": "float16"}}, "model_config.torch_dtype: 'float16' cannot be converted: the weights load in fp32"),
         ({"trainer_args": {"optim": "sgd"}}, "adamw or muon"),
         ({"trainer_args": {"lr_scheduler_type": "polynomial"}}, "trainer_args.lr_scheduler_type"),
         ({"trainer_args": {"leraning_rate": 1e-5}}, "did you mean 'learning_rate'?"),
         ({"dataset_config": {"dataset_type": "bagel"}}, "register_dataset"),
         ({"dataset_config": {"object_storage": "gcs"}}, "local or mounted files"),
         ({"model_config": {"overwrite_config": {"rope_theta": 1e6}}}, "config.json"),
-        ({"trainer_type": "dllm_trainer"}, "other objectives are not ported"),
+        ({"trainer_type": "grpo_trainer"}, "other trainers (RL, ...) are not ported"),
     ],
 )  # fmt: skip
 def test_problems_name_the_new_home(patch, expect):
@@ -263,7 +270,9 @@ def test_key_map_page_lists_every_key():
             "trainer_type", "ep_degree", "tp_degree", "freeze_modules", "use_muon", "optim",
             "monkey_patch_kwargs", "overwrite_config", "lr_scheduler_type", "report_to",
             "resume_from_checkpoint", "enable_profiler", "sampling_strategy", "video_backend",
-            "filter_overlong", "dataset_type", "torch_compile", "reduce_dtype"}  # fmt: skip
+            "filter_overlong", "dataset_type", "torch_compile", "reduce_dtype",
+            *_SAME_AS_OURS, *_LIGER_TOGGLES, *_TRAINERS, *_MODEL_TYPES, *_VIDEO_EXTRA,
+            "fineweb_edu", "deepspeed"}  # fmt: skip
     missing = sorted(k for k in keys if k not in named)
     assert not missing, f"keys the converter handles but the page does not name: {missing}"
     assert "HF Trainer bookkeeping" in page and len(_HF_IGNORED) > 60

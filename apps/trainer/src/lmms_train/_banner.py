@@ -80,7 +80,11 @@ def start_banner(
         f"mesh {mesh}",
         f"data     {', '.join(map(str, paths))}; {packing}; {d.num_workers} workers per rank",
         f"output   {out} (metrics.jsonl, checkpoints/{', hf/' if t.export_hf else ''}); "
-        f"{t.max_steps:,} steps; "
+        + (
+            f"{t.max_steps:,} steps; "
+            if t.max_steps > 0
+            else f"until {cfg.dataset_config.num_epochs} pass(es) over the data end; "
+        )
         + (f"resumed from {resumed} at step {step:,}" if resumed is not None else "fresh start"),
     ]
     return "\n".join(f"{_TAG} {ln}" for ln in lines)
@@ -106,6 +110,7 @@ def end_summary(
     state = "stopped (SIGTERM) at" if stopped else "done:"
     rate = f" ({human(tokens / seconds)} tokens/s)" if seconds > 0 else ""
     return (
-        f"{_TAG} {state} {steps:,}/{max_steps:,} steps, {human(tokens)} tokens in "
+        f"{_TAG} {state} {steps:,}{f'/{max_steps:,}' if max_steps > 0 else ''} steps, "
+        f"{human(tokens)} tokens in "
         f"{duration(seconds)}{rate}, {loss_text}; wrote {', '.join(written)}"
     )

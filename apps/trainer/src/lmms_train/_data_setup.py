@@ -158,12 +158,13 @@ class TrainData:
     `finish(batch)`: the family's last packing step on the host (bagel: rows of parts -> the
     packed row, `spec.finish_pack`); stateless, so the loader's state stays the resume point."""
 
-    def __init__(self, loader: Any, finish: Any = None) -> None:
+    def __init__(self, loader: Any, finish: Any = None, *, until_exhausted: bool = False) -> None:
         self.loader, self.finish = loader, finish
 
     def __iter__(self):
         it = iter(self.loader)
         while True:
+        self.until_exhausted = until_exhausted  # max_steps: -1: the run ends with the data
             try:
                 batch = next(it)
             except StopIteration:
@@ -171,6 +172,8 @@ class TrainData:
                     "the training data ran out before max_steps (set dataset_config.num_epochs: null)"
                 ) from None
             except (ValueError, RuntimeError) as exc:
+                if self.until_exhausted:
+                    return
                 name, text = _unwrap(exc)
                 if name in ("BadRecordRatioExceeded", "BadRecordError"):
                     lines = text.splitlines()
@@ -296,7 +299,7 @@ def build_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, An
             fresh = build_dataloader(ecfg, processor, dp_rank=env.dp_rank, dp_world=env.dp_size)
             return list(itertools.islice(iter(TrainData(fresh, finish)), t.eval_batches))
 
-    return TrainData(loader, finish), eval_data
+    return TrainData(loader, finish, until_exhausted=t.max_steps < 0), eval_data
 
 
 def _model_side_packing(cfg: TrainConfig, spec: Any, dcfg: Any, env: DistEnv) -> tuple[Any, Any]:

@@ -177,7 +177,7 @@ def _interrupted(state: dict[str, Any]) -> _Fetched:
                     interrupted=True)  # fmt: skip
 
 
-def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched:
+def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched | None:
     """Read a step's packs. `data_read` is the host's time blocked on the loader; `data_wait`
     the part of it the device may have idled for: all of it, unless a CUDA event recorded before
     the read is still pending after it (the device was busy with earlier work throughout)."""
@@ -189,6 +189,8 @@ def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched:
     t0 = time.perf_counter()
     try:
         batches = _read(run, data_iter, t.gradient_accumulation_steps)
+    except StopIteration:  # max_steps: -1 and the last pass is over (partial steps dropped)
+        return None
     except _DataWaitInterrupted:  # SIGTERM: this step's packs are not needed
         return _interrupted(state)
     read = time.perf_counter() - t0
@@ -283,7 +285,7 @@ def train_loop(run: Run) -> dict[str, Any]:
     gc_control = GcControl(t.gc_control, t.gc_full_collect_steps, gc_clock)
     graphs_seen = lmms_kernels.compile_counts()["graphs"]
     try:
-        if t.compile and t.compile_warmup and run.state.step < t.max_steps:
+        if t.compile and t.compile_warmup and not _done(t, run.state.step):
             from lmms_train._warmup import warm_up
 
             upcoming = _fetch(run, data_iter, flops_fn)  # step 1's packs, read once
@@ -291,10 +293,16 @@ def train_loop(run: Run) -> dict[str, Any]:
             if upcoming is not None and not upcoming.interrupted:
                 warm_up(run, upcoming.batches[0], evaluate=evaluating)
             graphs_seen = lmms_kernels.compile_counts()["graphs"]
-        while run.state.step < t.max_steps:
+        while not _done(t, run.state.step):
             profiler.before_step(run.state.step + 1)
             clock = StepClock(env.device)
             fetched = upcoming or _fetch(run, data_iter, flops_fn)  # the first step reads here
+            if t.max_steps < 0 and _out_of_data(run, fetched):  # the last step was the last
+                if queued is not None:  # it gets what max_steps would give it: validation...
+                    queued.evaluate = bool(t.eval_steps and run.eval_data is not None)
+                    last, queued = _finish(run, queued, phases), None
+                _end_of_data(run)  # ... and the final checkpoint
+                break
             upcoming, sums, lens = None, fetched.sums, fetched.lens
             sums["stop"] = float(run.stop_requested)
             reduced = dict(
@@ -323,7 +331,7 @@ def train_loop(run: Run) -> dict[str, Any]:
                 phases=phases,
                 host_keys=run.spec.host_keys,
             )
-            if run.state.step + 1 < t.max_steps and not reduced["stop"]:
+            if not _done(t, run.state.step + 1) and not reduced["stop"]:
                 upcoming = _fetch(run, data_iter, flops_fn)  # the GPU is busy with backward
                 phases.mark("data")  # the next pack's copy to the device, not the optimizer's
             plans = run.model if env.tp * env.ep > 1 else None  # norms over TP/EP meshes
@@ -399,7 +407,7 @@ def train_loop(run: Run) -> dict[str, Any]:
             gc_control.after_warmup()  # after this process's first step; a no-op after it
             gc_control.safe_point(step, full=bool(periodic or evaluating))
             if stop:
-                run.stopped = step < t.max_steps  # in the last step: finished, not stopped
+                run.stopped = not _done(t, step)  # in the last step: finished, not stopped
                 if env.is_main:
                     print(
                         f"[lmms-train] SIGTERM: saved step {step} and stopped",
@@ -416,6 +424,33 @@ def train_loop(run: Run) -> dict[str, Any]:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return last
+
+
+def _done(t: Any, step: int) -> bool:
+    """`max_steps` reached (never with `max_steps: -1`: the run ends with the data)."""
+    return 0 < t.max_steps <= step
+
+
+def _out_of_data(run: Run, fetched: _Fetched | None) -> bool:
+    """`max_steps: -1`: whether any rank's stream has ended, so that every rank stops at the
+    same step (one host collective per step)."""
+    (out,) = run.env.all_reduce([float(fetched is None)], op="max")
+    return bool(out)
+
+
+def _end_of_data(run: Run) -> None:
+    """The final checkpoint of a `max_steps: -1` run (unless that step's is written)."""
+    latest = run.checkpointer.ckpt.latest()
+    done = latest is not None and latest.name == run.checkpointer.ckpt.path(run.state.step).name
+    if run.cfg.trainer_args.save_final and run.state.step > 0 and not done:
+        _save(run, run.data.state_dict())
+    if run.env.is_main:
+        print(
+            f"[lmms-train] the data's {run.cfg.dataset_config.num_epochs} pass(es) ended after "
+            f"step {run.state.step}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _objective_metrics(run: Run) -> tuple[tuple[str, ...], list[torch.Tensor]]:

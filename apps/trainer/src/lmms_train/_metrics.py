@@ -116,6 +116,8 @@ class ConsoleSink:
 
         elapsed = time.perf_counter() - self.started
         done = step - self.initial
+        if self.total <= 0:  # max_steps: -1: the run ends with the data
+            return f"elapsed {duration(elapsed)}"
         eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
         return f"elapsed {duration(elapsed)} eta {duration(eta)}"
 
@@ -129,8 +131,9 @@ class ConsoleSink:
         elif step % self.every == 0 or step == self.total or "eval_loss" in metrics:
             parts = " ".join(self._fmt(k, v) for k, v in shown.items())
             extra = f" eval_loss={metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""
+            total = f"/{self.total:,}" if self.total > 0 else ""
             print(
-                f"[lmms-train] step {step:,}/{self.total:,} {parts}{extra} {self._clock(step)}",
+                f"[lmms-train] step {step:,}{total} {parts}{extra} {self._clock(step)}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -150,6 +150,9 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
 def build_schedule(
     optimizer: torch.optim.Optimizer, t: TrainerArgs
 ) -> torch.optim.lr_scheduler.LambdaLR:
+    if t.max_steps < 0:  # the run ends with the data: no length to decay over (docs/trainer.md)
+        return build_scheduler(optimizer, ScheduleConfig(kind="constant", max_steps=1,
+                                                         warmup_steps=t.warmup_steps))  # fmt: skip
     warmup = t.warmup_steps or round(t.warmup_ratio * t.max_steps)
     sc = ScheduleConfig(
         kind=t.lr_scheduler_type,

@@ -36,6 +36,7 @@ from lmms_train._model_setup import build_model, resolve_spec
 from lmms_train._oom import out_of_memory
 from lmms_train._optim_setup import build_optimizer, build_schedule
 from lmms_train._preflight import RunLock, config_differences, config_problems
+from lmms_train._processor_fit import check_processor_fits
 from lmms_train._state import TrainState, seed_everything
 from lmms_train.config import TrainConfig, config_to_dict
 
@@ -151,6 +152,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
     run_id = checkpointer.start_run(resume, env)
     differences = _differences(cfg, env, resume)
     token_ids = prepare_inputs(cfg, env, spec)  # synthetic data / local processor if configured
+    check_processor_fits(cfg, spec, token_ids)  # its patches / family vs the model's: one line
     data, eval_data = build_data(cfg, env, spec)  # reads every shard's metadata: before the model
     seed_everything(t.seed)
     _memory_plan(cfg, env, spec, token_ids)  # may stop the run, or choose its layout (auto)

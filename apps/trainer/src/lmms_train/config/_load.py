@@ -260,7 +260,11 @@ def _validate(cfg: TrainConfig) -> None:
             value in choices,
             f"dataset_config.{key}: {value!r} is not one of {', '.join(choices)}{suggest(value, choices)}",
         )
-    _check(t.max_steps > 0, "trainer_args.max_steps must be > 0")
+    _check(
+        t.max_steps > 0 or (t.max_steps == -1 and d.num_epochs is not None),
+        "trainer_args.max_steps must be > 0 (or -1 with dataset_config.num_epochs: the run ends "
+        "after that many passes over the data)",
+    )
     _check(
         t.gradient_accumulation_steps >= 1, "trainer_args.gradient_accumulation_steps must be >= 1"
     )

@@ -258,7 +258,11 @@ class TrainerArgs:
         None, "Name shown in wandb/TensorBoard (default: output folder name)."
     )
     seed: int = _f(42, "Seed of model init, data order and dropout.")
-    max_steps: int = _f(100, "Optimizer steps to train for (the run length).")
+    max_steps: int = _f(
+        100,
+        "Optimizer steps to train for (the run length). `-1`: until `dataset_config.num_epochs` "
+        "passes over the data end (the LR schedule is then warmup, then constant).",
+    )
     gradient_accumulation_steps: int = _f(
         1, "Micro-batches (packs) per rank per optimizer step; gradients sync once per step."
     )
