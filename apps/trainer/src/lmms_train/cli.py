@@ -12,6 +12,7 @@
     lmms-train sample CKPT_DIR --prompt TEXT [...]      decode from a masked-diffusion checkpoint (docs/diffusion-lm.md)
     lmms-train --version                                versions of lmms packages, torch, transformers
     lmms-train launch [TORCHRUN OPTIONS] CONFIG.yaml   torchrun keeping the exit codes 2 / 75 / 130 (docs/failures.md)
+    lmms-train COMMAND --help                           the usage of one command above
     --debug (anywhere)                                  show the traceback of user errors too
 
 Exit codes (docs/failures.md): 0 finished; 2 a problem with the user's input (config, data, file
