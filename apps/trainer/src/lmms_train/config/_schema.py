@@ -189,8 +189,9 @@ class DatasetConfig:
     )
     packing_length: int = _f(
         4096,
-        "Tokens per packed row (the micro-batch size in tokens). A longer sample is a bad record "
-        "of reason `too_long`: skipped and counted, or a clear error with "
+        "Tokens per packed row (the micro-batch size in tokens). A longer text-pretraining "
+        "document is split into chunks of this length (docs/data.md); any other longer sample "
+        "is a bad record of reason `too_long`: skipped and counted, or a clear error with "
         "`bad_record_policy: raise`.",
     )
     max_open_bins: int = _f(
