@@ -151,3 +151,12 @@ def test_numeric_ranges(tmp_path):
                    "min_pixels must be <= max_pixels", "video_fps must be > 0",
                    "num_epochs must be >= 1"):  # fmt: skip
         _one(problems, needle)
+
+
+def test_placement_switches(tmp_path):
+    problems = _problems(
+        "sit/tiny_cpu.yaml", tmp_path,
+        trainer_args={"frozen_encoders": "offload", "fsdp": False, "fsdp_cpu_offload": True},
+    )  # fmt: skip
+    _one(problems, "frozen_encoders: offload is for families with a frozen", "not sit")
+    _one(problems, "fsdp_cpu_offload needs FSDP")

@@ -156,3 +156,22 @@ def _layout_problems(cfg: TrainConfig, spec: Any, hf_config: Any, problems: list
             )
     if t.ep_degree > 1 and not spec.ep_plan:
         problems.append(f"trainer_args.ep_degree: {spec.name} has no expert-parallel plan")
+    _placement_problems(cfg, spec, problems)
+
+
+def _placement_problems(cfg: TrainConfig, spec: Any, problems: list[str]) -> None:
+    """FSDP-only switches without FSDP, frozen-encoder placement on a family without one (the
+    build's own checks, run here with the FSDP choice the launch will make)."""
+    from types import SimpleNamespace
+
+    from lmms_train._model_setup import _check_frozen_encoders
+
+    t = cfg.trainer_args
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    fsdp = t.fsdp if t.fsdp is not None else (world > 1 or t.fsdp_cpu_offload)
+    if t.fsdp_cpu_offload and not fsdp:
+        problems.append("trainer_args.fsdp_cpu_offload needs FSDP: set trainer_args.fsdp: true")
+    try:
+        _check_frozen_encoders(spec, SimpleNamespace(fsdp=fsdp), t)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
