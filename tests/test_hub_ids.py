@@ -58,8 +58,11 @@ def hub(tmp_path_factory):
     generate_synthetic_text(str(root / "data"), 48, seed=0)
     cache = root / "cache"
     commit = hub_cache_layout(root / "src", cache, "lmms-test/tiny-qwen2")
+    shutil.copytree(root / "data", root / "data_repo")  # as on the Hub: metadata beside the shards
+    (root / "data_repo" / "dataset_infos.json").write_text('{"default": {"splits": {}}}')
+    (root / "data_repo" / "README.md").write_text("---\nlicense: mit\n---\n")
     data_commit = hub_cache_layout(
-        root / "data", cache, "lmms-test/shapes-text", repo_type="dataset"
+        root / "data_repo", cache, "lmms-test/shapes-text", repo_type="dataset"
     )
     return {"root": root, "cache": cache, "commit": commit, "data_commit": data_commit}
 
@@ -92,8 +95,9 @@ def test_offline_resolution_from_the_cache(offline):
     snap = offline["cache"] / "models--lmms-test--tiny-qwen2" / "snapshots" / offline["commit"]
     assert resolve_hub_path("lmms-test/tiny-qwen2") == str(snap)
     assert resolve_hub_path(f"lmms-test/tiny-qwen2@{offline['commit']}") == str(snap)
-    data = resolve_hub_path("lmms-test/shapes-text", kind="dataset")
-    assert data.endswith(offline["data_commit"]) and "datasets--lmms-test--shapes-text" in data
+    data = resolve_hub_path("lmms-test/shapes-text", kind="dataset")  # its Parquet shards only
+    snap = offline["cache"] / "datasets--lmms-test--shapes-text" / "snapshots"
+    assert data == str(snap / offline["data_commit"] / "**" / "*.parquet")
     with pytest.raises(HubError) as exc:
         resolve_hub_path("lmms-test/not-there")
     msg = str(exc.value)
@@ -207,6 +211,10 @@ def test_hub_dataset_resumes_exactly(tmp_path, monkeypatch):
                 for i in range(shard * 60, shard * 60 + 60)]  # fmt: skip
         pq.write_table(pa.table({"messages": msgs}), src / f"train-{shard}.parquet",
                        row_group_size=8)  # fmt: skip
+    held_out = [json.dumps([{"role": "user", "content": [{"type": "text", "text": "1000"}]},
+                            {"role": "assistant", "content": "ok"}])] * 8  # fmt: skip
+    pq.write_table(pa.table({"messages": held_out}), src / "test-0.parquet")  # another split
+    (tmp_path / "src" / "dataset_infos.json").write_text("{}")  # metadata, not records
     hub_cache_layout(tmp_path / "src", tmp_path / "cache", "org/ids", repo_type="dataset")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
@@ -225,7 +233,8 @@ def test_hub_dataset_resumes_exactly(tmp_path, monkeypatch):
     b = loader()
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     assert first + [ids(x) for x in itertools.islice(iter(b), 13)] == ref
-    assert len({i for batch in ref for i in batch}) > 60  # both shards were read
+    seen = {i for batch in ref for i in batch}
+    assert len(seen) > 60 and max(seen) < 120  # both train shards, not the test split
 
 
 def test_sample_and_render_take_hub_ids(offline, capsys):
@@ -259,4 +268,6 @@ def test_only_id_shaped_paths_are_resolved(offline, tmp_path):
     assert cfg.model_config.load_from_pretrained_path.endswith(offline["commit"])
     assert cfg.model_config.processor_path == "demo/processor"
     first, second = cfg.dataset_config.dataset_path
-    assert first == "data/missing.jsonl" and second.endswith(offline["data_commit"])
+    assert first == "data/missing.jsonl" and second.endswith(
+        f"{offline['data_commit']}/**/*.parquet"
+    )

@@ -40,7 +40,7 @@ def _processor_path(cfg: TrainConfig) -> str | None:
 
 def _exists(path: str | list[str]) -> bool:
     paths = [path] if isinstance(path, str) else path
-    return all(Path(p).exists() or glob.glob(p) for p in paths)
+    return all(Path(p).exists() or glob.glob(p, recursive=True) for p in paths)  # as lmms-data
 
 
 def prepare_inputs(cfg: TrainConfig, env: DistEnv, spec: Any) -> dict[str, int] | None:

@@ -149,7 +149,7 @@ def _device_problems(cfg: TrainConfig, problems: list[str]) -> None:
 
 
 def _exists(path: str) -> bool:
-    return Path(path).exists() or bool(glob.glob(path))
+    return Path(path).exists() or bool(glob.glob(path, recursive=True))  # as lmms-data reads it
 
 
 def _path_problems(cfg: TrainConfig, problems: list[str]) -> None:

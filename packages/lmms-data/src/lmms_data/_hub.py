@@ -16,6 +16,8 @@ cached. Offline (``HF_HUB_OFFLINE=1``) only the cache is read; an id that is not
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import hashlib
 import os
 import re
@@ -27,7 +29,18 @@ __all__ = ["HubError", "hub_cache_dir", "is_hub_id", "resolve_hub_path", "split_
 # layouts keep `vae/config.json`, `transformer/*.safetensors`.
 _PROCESSOR_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 _WEIGHTS = {"safetensors": ["*.safetensors"], "bin": ["*.bin"]}
-_DATA_FILES = ["*.parquet", "*.arrow", "*.jsonl", "*.jsonl.gz", "*.json", "*.json.gz"]
+# A dataset repo's records, by preference: Parquet (what the Hub serves for every dataset), then
+# `save_to_disk` Arrow folders (their state.json / dataset_info.json say which files), then JSON
+# Lines / JSON arrays. Only one kind is read, so metadata JSON beside Parquet shards is no data.
+_DATA_KINDS = (
+    ("*.parquet", ["*.parquet"]),
+    ("*.arrow", ["*.arrow", "*.json"]),
+    ("*.json*", ["*.jsonl", "*.jsonl.gz", "*.json", "*.json.gz"]),
+)
+_TRAIN_SPLIT = (
+    os.path.join("**", "train", "**", "*.parquet"),
+    os.path.join("**", "train[-_.]*.parquet"),
+)
 _ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 KINDS = ("model", "processor", "dataset")
 
@@ -75,12 +88,15 @@ def _patterns(
 ) -> list[str]:
     if kind == "processor":
         return list(_PROCESSOR_FILES)
-    if kind == "dataset":
-        return list(_DATA_FILES)
     from huggingface_hub import HfApi
 
     info = HfApi(endpoint=endpoint).repo_info(repo, revision=revision, repo_type=repo_type)
     files = [s.rfilename for s in info.siblings or []]
+    if kind == "dataset":
+        for marker, patterns in _DATA_KINDS:
+            if any(fnmatch.fnmatch(f, marker) for f in files):
+                return patterns
+        return list(_DATA_KINDS[-1][1])
     weights = "safetensors" if any(f.endswith(".safetensors") for f in files) else "bin"
     return [*_PROCESSOR_FILES, *_WEIGHTS[weights]]
 
@@ -89,7 +105,8 @@ def resolve_hub_path(value: str, *, kind: str = "model", timeout_s: float = 7200
     """The local folder for ``value``: itself when it is no Hub id, else the cache snapshot of
     ``org/name[@revision]`` (downloaded first unless offline). ``kind``: ``model`` (configs,
     weights, tokenizer/processor files), ``processor`` (no weights) or ``dataset`` (data files
-    of a dataset repo). Raises `HubError` with one line naming the id and the cache folder."""
+    of a dataset repo; the result is then a glob of its Parquet shards if it has any). Raises
+    `HubError` with one line naming the id and the cache folder."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not is_hub_id(value):
@@ -108,8 +125,21 @@ def resolve_hub_path(value: str, *, kind: str = "model", timeout_s: float = 7200
                 + (" --repo-type dataset" if kind == "dataset" else "")
                 + "; docs/weights.md)"
             )
-        return found
-    return _download(value, kind, repo, revision, repo_type, cache, timeout_s)
+        return _data_files(found) if kind == "dataset" else found
+    found = _download(value, kind, repo, revision, repo_type, cache, timeout_s)
+    return _data_files(found) if kind == "dataset" else found
+
+
+def _data_files(snapshot: str) -> str:
+    """A dataset snapshot as a `dataset_path`: a recursive glob of its Parquet shards when it has
+    any (a full `hf download` also holds metadata JSON) - of the train split's alone when the
+    Hub's split naming marks one (`train/` folders, `train-*` / `train_*` files) - else the folder."""
+    if not any(Path(snapshot).rglob("*.parquet")):
+        return snapshot
+    for pattern in _TRAIN_SPLIT:
+        if glob.glob(os.path.join(snapshot, pattern), recursive=True):
+            return os.path.join(snapshot, pattern)
+    return os.path.join(snapshot, "**", "*.parquet")
 
 
 def _cached(repo: str, revision: str | None, repo_type: str, cache: Path) -> str | None:
