@@ -119,3 +119,34 @@ def test_local_processor_folder_for_text_pretrain(tmp_path):
     p = ld.build_processor("text_pretrain", info["path"])
     s = p([{"role": "assistant", "content": [{"type": "text", "text": "a b"}]}])
     assert int(s["input_ids"][-1]) == info["eos_token_id"]
+
+
+def test_a_slot_state_from_before_split_documents_still_resumes(proc, tmp_path):
+    """A version-1 slot state (written before chunks existed: items [*ref, length]) loads as
+    version 2 (every item chunk 0, nothing pending) and continues exactly."""
+    import copy
+
+    import torch
+
+    cfg, docs = _long_corpus(proc, tmp_path, packing_length=700)
+    assert max(len(d) for d in docs) <= 700  # nothing is split
+    mk = lambda: ld.build_dataloader(cfg, None)  # noqa: E731
+    ref = list(mk())
+    assert len(ref) >= 2
+    a = mk()
+    it = iter(a)
+    head = [next(it)]
+    state = copy.deepcopy(a.state_dict())
+    for w in state["workers"].values():  # the same position, written by the old code
+        assert w["pending"] == [] and all(
+            i[4] == 0 for b in w["packer"]["bins"] for i in b["items"]
+        )
+        w["version"] = 1
+        del w["pending"]
+        for b in w["packer"]["bins"]:
+            b["items"] = [[*i[:4], *i[5:]] for i in b["items"]]
+    b = mk()
+    b.load_state_dict(state)
+    got = head + list(b)
+    assert [x["input_ids"].tolist() for x in got] == [y["input_ids"].tolist() for y in ref]
+    assert all(torch.equal(x["cu_seqlens"], y["cu_seqlens"]) for x, y in zip(got, ref, strict=True))
