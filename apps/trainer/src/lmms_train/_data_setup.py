@@ -90,6 +90,10 @@ def _generate(g: Any, dataset_path: str, spec: Any) -> None:
         generate_synthetic_text(out, g.num_samples, format=g.format, seed=g.seed)
     elif kind == "audio":
         generate_synthetic_audio(out, g.num_samples, format=g.format, seed=g.seed)
+    elif kind == "preference":
+        from lmms_data import generate_synthetic_preference
+
+        generate_synthetic_preference(out, g.num_samples, seed=g.seed, image_size=g.image_size)
     elif kind == "omni":
         from lmms_data import generate_synthetic_omni
 

@@ -55,9 +55,14 @@ class ObjectiveForward:
     """
 
     def __init__(
-        self, fn: Callable[[nn.Module, dict[str, Any], Any], Any], objective: Any, seed: int
+        self,
+        fn: Callable[[nn.Module, dict[str, Any], Any], Any],
+        objective: Any,
+        seed: int,
+        reference: Any = None,
     ):
         self._fn, self.objective, self.seed = fn, objective, seed
+        self.reference = reference  # ObjectiveContext.reference (LoRA: the adapters off)
         self.step = 0
         self._micro = 0
         self._metrics: dict[str, list[torch.Tensor]] = {}
@@ -75,7 +80,9 @@ class ObjectiveForward:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from lmms_models.objectives import ObjectiveContext
 
-        ctx = ObjectiveContext(seed=self.seed, step=self.step, micro_batch=self._micro)
+        ctx = ObjectiveContext(
+            seed=self.seed, step=self.step, micro_batch=self._micro, reference=self.reference
+        )
         out = self._fn(model, batch, ctx)
         self._micro += 1
         if torch.is_grad_enabled():
@@ -105,11 +112,13 @@ def make_forward(
     objective: Any = None,
     seed: int = 0,
     split_vision: bool = True,
+    reference: Any = None,
 ) -> ObjectiveForward:
     """The forward for this run's layout (plain, FSDP, SP); `loss_backend`: the fused linear
     cross-entropy's (`lmms_kernels.fused_linear_cross_entropy`); `objective`: an
     `lmms_models.objectives.Objective` (default `causal_lm`), `seed` its draws' seed;
-    `split_vision`: under SP, share the vision tower's work over the group (SplitVision)."""
+    `split_vision`: under SP, share the vision tower's work over the group (SplitVision);
+    `reference`: the objective's reference policy context (`ObjectiveContext.reference`)."""
     if objective is None:
         from lmms_models.objectives import get_objective
 
@@ -145,4 +154,4 @@ def make_forward(
         ctx.sp_group, ctx.loss_backend = group, loss_backend
         return call_through_root(model, lambda: objective.loss(spec, model, batch, ctx))
 
-    return ObjectiveForward(forward, objective, seed)
+    return ObjectiveForward(forward, objective, seed, reference)

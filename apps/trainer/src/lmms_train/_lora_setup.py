@@ -66,6 +66,28 @@ def check_lora(cfg: Any, env: Any) -> None:
         )
 
 
+def check_preference(cfg: Any, env: Any, objective: Any, adapter: Any) -> None:
+    """A preference objective (DPO) needs pairs and a reference: refuse what lacks them."""
+    if not objective.preference:
+        return
+    name = cfg.model_config.objective
+    if cfg.dataset_config.dataset_type != "preference":
+        raise ConfigError(
+            f"model_config.objective {name} trains on preference pairs: set "
+            "dataset_config.dataset_type: preference (records with prompt/chosen/rejected or "
+            "chosen/rejected conversations; docs/lora-dpo.md)"
+        )
+    if adapter is None:
+        raise ConfigError(
+            f"model_config.objective {name} needs a reference policy: set model_config.lora "
+            "(the reference is the base with the adapters off: no second model in memory)"
+        )
+    if env.sp > 1:
+        raise ConfigError(
+            f"model_config.objective {name} under sp_ulysses_degree > 1 is not supported yet"
+        )
+
+
 def apply_model_lora(cfg: Any, spec: Any, model: nn.Module) -> Any:
     """Inject the adapters (lmms_models.LoraHandle) or return None without `model_config.lora`."""
     opts = lora_options(cfg)

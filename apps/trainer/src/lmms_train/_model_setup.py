@@ -22,7 +22,13 @@ from torch import nn
 
 from lmms_train._dist import DistEnv
 from lmms_train._errors import ConfigError, UserError, suggest
-from lmms_train._lora_setup import adapted_weights, apply_model_lora, check_lora, quantize_model_base
+from lmms_train._lora_setup import (
+    adapted_weights,
+    apply_model_lora,
+    check_lora,
+    check_preference,
+    quantize_model_base,
+)
 from lmms_train.config import TrainConfig
 
 __all__ = ["BuiltModel", "ac_plan", "build_model", "build_objective", "deep_merge", "resolve_spec"]
@@ -267,6 +273,7 @@ def build_model(
     except (ValueError, NotImplementedError) as exc:
         raise ConfigError(f"model_config.objective {m.objective!r}: {exc}") from None
     adapter = apply_model_lora(cfg, spec, model)  # inside the blocks FSDP2 and AC wrap
+    check_preference(cfg, env, objective, adapter)  # DPO: pairs and a reference
     frozen = _freeze(model, spec, t.freeze)
     if t.linear_patch_embed:
         from lmms_models import linear_patch_embed

@@ -213,6 +213,7 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
             objective=built.objective,
             seed=t.seed,
             split_vision=t.sp_split_vision,
+            reference=None if built.adapter is None else built.adapter.disabled,
         ),
         optimizer=optimizer,
         scheduler=scheduler,

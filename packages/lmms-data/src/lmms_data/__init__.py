@@ -19,6 +19,7 @@ Public API::
 """
 
 from lmms_data import _datasets as _datasets  # registers the built-in dataset types
+from lmms_data import _preference as _preference  # registers `preference` (DPO pairs)
 from lmms_data import processors as processors  # registers the built-in processors
 from lmms_data._audio import AudioOptions, decode_audio, load_audio_clips
 from lmms_data._collate import MEDIA_KEYS, collate_packed_batch
@@ -50,6 +51,7 @@ from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
 from lmms_data._synthetic_audio import generate_synthetic_audio, generate_synthetic_omni
 from lmms_data._synthetic_bagel import generate_synthetic_bagel
 from lmms_data._synthetic_diffusion import generate_synthetic_clips, generate_synthetic_shapes
+from lmms_data._synthetic_preference import generate_synthetic_preference
 from lmms_data.processors import (
     AUDIO_TYPE_ID,
     IGNORE_INDEX,
@@ -101,6 +103,7 @@ __all__ = [
     "generate_synthetic_bagel",
     "generate_synthetic_clips",
     "generate_synthetic_omni",
+    "generate_synthetic_preference",
     "generate_synthetic_shapes",
     "generate_synthetic_text",
     "generate_synthetic_vl",

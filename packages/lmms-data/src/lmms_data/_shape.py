@@ -33,8 +33,8 @@ def check_shape(cfg: DatasetConfig, sources: list[list[Unit]]) -> None:
             out = adapter(rec)
         except Exception:  # the adapter's own problem with one record: a bad record later
             continue
-        if isinstance(out, dict) and (
-            out.get("messages") is not None or out.get("conversations") is not None
+        if isinstance(out, dict) and any(  # a chat record, or a preference pair of two
+            out.get(k) is not None for k in ("messages", "conversations", "pair")
         ):
             continue
         keys = sorted(out) if isinstance(out, dict) else type(out).__name__

@@ -190,6 +190,35 @@ class SlotStream:
             return self.cfg.data_folder
         return os.path.dirname(os.path.abspath(self.sources[ref[0]].units[ref[2]].file))
 
+    def _sample(self, adapted: dict[str, Any], ref: Ref) -> dict[str, Any]:
+        """One adapted chat record -> the processor's sample (media resolved, processor errors
+        as bad records)."""
+        messages = normalise(adapted)
+        base = self._base(ref)
+        accepted = getattr(self.processor, "media_types", None)  # None: not declared
+        for m in messages:
+            for part in m["content"]:
+                if part["type"] in MEDIA_TYPES:
+                    t = part["type"]
+                    if accepted is not None and t not in accepted:
+                        raise BadRecordError(
+                            "unsupported_media", f"this model's processor cannot take {t} parts"
+                        )
+                    part[t] = resolve_media(
+                        part[t], t, base, allow_absolute=self.cfg.allow_absolute_paths
+                    )
+        try:
+            sample = self.processor(messages)
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            if isinstance(e, BadRecordError):
+                raise
+            # what a processor or tokenizer raises on a record it cannot take (wrong types,
+            # odd media): a bad record named by its location, not a crash of every rank
+            raise BadRecordError(
+                "malformed_record", f"the processor failed: {type(e).__name__}: {e}"
+            ) from None
+        return sample
+
     def process(self, ref: Ref, raw: Any, loc: str) -> list[dict[str, Any]]:
         """Raw record -> its samples (one, or the chunks of a split document); raises
         ``BadRecordError`` (with location) for bad input."""
@@ -198,30 +227,13 @@ class SlotStream:
             rec = decode_raw(unit, ref[3], 0, raw)
             if isinstance(rec, BadRecordError):
                 raise rec
-            messages = normalise(self.adapter(rec))
-            base = self._base(ref)
-            accepted = getattr(self.processor, "media_types", None)  # None: not declared
-            for m in messages:
-                for part in m["content"]:
-                    if part["type"] in MEDIA_TYPES:
-                        t = part["type"]
-                        if accepted is not None and t not in accepted:
-                            raise BadRecordError(
-                                "unsupported_media", f"this model's processor cannot take {t} parts"
-                            )
-                        part[t] = resolve_media(
-                            part[t], t, base, allow_absolute=self.cfg.allow_absolute_paths
-                        )
-            try:
-                sample = self.processor(messages)
-            except (ValueError, TypeError, KeyError, IndexError) as e:
-                if isinstance(e, BadRecordError):
-                    raise
-                # what a processor or tokenizer raises on a record it cannot take (wrong types,
-                # odd media): a bad record named by its location, not a crash of every rank
-                raise BadRecordError(
-                    "malformed_record", f"the processor failed: {type(e).__name__}: {e}"
-                ) from None
+            adapted = self.adapter(rec)
+            if "pair" in adapted:  # a preference pair: two documents, one sample (same row)
+                from lmms_data._preference import pair_sample
+
+                sample = pair_sample(*(self._sample(r, ref) for r in adapted["pair"]))
+            else:
+                sample = self._sample(adapted, ref)
             if "parts" in sample:  # packed model-side (BAGEL): the sample's own noise seed
                 sample["seed"] = ref_seed(ref)
             if self.cfg.packing and sample["length"] > self.cfg.packing_length:

@@ -74,6 +74,12 @@ def collate_packed(
     the padding is its own last segment in ``cu_seqlens`` with ``pad_token_id`` inputs,
     positions ``0..P-1`` and ignored labels; ``num_samples`` does not count it.
 
+    A sample with ``segments`` (document lengths summing to its length, e.g. a preference
+    pair's chosen and rejected documents, which must share a row) is several documents: each is
+    its own ``cu_seqlens`` segment, its first label is ignored and default positions restart at
+    it; the row then also holds ``sample_segments [n_samples]`` (documents per sample), and
+    ``num_samples`` counts documents.
+
     Keys the collator does not know (media such as ``pixel_values``, ``image_grid_thw``) are
     left to the caller, which concatenates them in pack order (lmms-data does).
     """
@@ -81,14 +87,16 @@ def collate_packed(
         raise ValueError("collate_packed needs at least one sample")
     parts = [_sample_arrays(i, s) for i, s in enumerate(samples)]
     lens = np.fromiter((p[0].shape[0] for p in parts), dtype=np.int64, count=len(parts))
-    n, real = len(parts), int(lens.sum())
+    docs = _documents(samples, lens)
+    n, real = len(docs), int(lens.sum())
     pad = (-real) % pad_to_multiple_of if pad_to_multiple_of else 0
     total = real + pad
-    seg_lens = np.append(lens, pad) if pad else lens
+    seg_lens = np.append(docs, pad) if pad else docs
 
     cu_seqlens = np.zeros(len(seg_lens) + 1, dtype=np.int32)
     np.cumsum(seg_lens, out=cu_seqlens[1:])
     starts = cu_seqlens[:-1].astype(np.int64)
+    sample_starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
 
     input_ids = np.full(total, pad_token_id, dtype=np.int64)
     input_ids[:real] = np.concatenate([p[0] for p in parts])
@@ -109,11 +117,11 @@ def collate_packed(
     given = [p[2].dtype for p in parts if p[2] is not None]
     if any(np.issubdtype(d, np.floating) for d in given):  # fractional positions kept as given
         position_ids = position_ids.astype(np.result_type(*given))
-    for (_, _, pos), a, b in zip(parts, starts[:n], starts[:n] + lens):
+    for (_, _, pos), a, b in zip(parts, sample_starts, sample_starts + lens):
         if pos is not None:
             position_ids[..., a:b] = pos
 
-    return {
+    row = {
         "input_ids": input_ids,
         "labels": labels,
         "shift_labels": shift_labels,
@@ -123,3 +131,23 @@ def collate_packed(
         "num_samples": n,
         "num_loss_tokens": int(np.count_nonzero(shift_labels != ignore_index)),
     }
+    if any("segments" in s for s in samples):
+        row["sample_segments"] = np.asarray(
+            [len(s.get("segments") or [0]) for s in samples], dtype=np.int64
+        )
+    return row
+
+
+def _documents(samples: Sequence[Mapping[str, Any]], lens: np.ndarray) -> np.ndarray:
+    """Document lengths in row order: a sample's ``segments``, or the sample itself."""
+    out: list[int] = []
+    for i, (s, n) in enumerate(zip(samples, lens)):
+        segs = s.get("segments")
+        if segs is None:
+            out.append(int(n))
+            continue
+        segs = [int(x) for x in segs]
+        if sum(segs) != int(n) or min(segs, default=0) <= 0:
+            raise ValueError(f"sample {i}: segments {segs} must be positive and sum to {int(n)}")
+        out += segs
+    return np.asarray(out, dtype=np.int64)

@@ -108,7 +108,8 @@ class ModelConfig:
         "Training objective (`lmms_models.objectives` registry), separate from the family: "
         "`causal_lm` (next-token cross-entropy), `masked_diffusion` (diffusion LM: bidirectional "
         "attention inside each sample, masked tokens weighted 1/t; docs/diffusion-lm.md), "
-        "`flow_matching` (diffusion transformers).",
+        "`flow_matching` (diffusion transformers), `dpo` (preference pairs against the base "
+        "with the LoRA adapters off; docs/lora-dpo.md).",
     )
     objective_args: dict[str, Any] = _f(
         {},
@@ -126,7 +127,9 @@ class ModelConfig:
 class SyntheticDataConfig:
     """Generate a deterministic synthetic dataset if `dataset_path` is missing."""
 
-    kind: Literal["vl", "text", "shapes", "clips", "audio", "omni", "bagel"] | None = _f(
+    kind: (
+        Literal["vl", "text", "shapes", "clips", "audio", "omni", "bagel", "preference"] | None
+    ) = _f(
         None,
         "`shapes`: coloured shapes with class labels, `clips`: moving-shape clips with captions "
         "(diffusion transformers: `lmms_data.generate_synthetic_shapes` / `_clips`; the "
@@ -135,7 +138,10 @@ class SyntheticDataConfig:
         "`vl`: coloured-shape images with questions (`lmms_data.generate_synthetic_vl`); `text`: "
         "text-only chats (sums, copy, reverse; `generate_synthetic_text`); `audio`: tone "
         '"digits" with questions (`generate_synthetic_audio`); `omni`: half of each of `vl` '
-        "and `audio` (`generate_synthetic_omni`). Default: `omni` for models that take images "
+        "and `audio` (`generate_synthetic_omni`); `preference`: `vl` pictures with a right "
+        "(chosen) and a wrong (rejected) answer, for `objective: dpo` with `dataset_type: "
+        "preference` (`generate_synthetic_preference`, Parquet). Default: `omni` for models "
+        "that take images "
         "and audio, `audio` for audio models, `vl` for vision-language models, `text` for "
         "text-only ones.",
     )

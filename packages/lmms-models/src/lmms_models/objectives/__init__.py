@@ -27,6 +27,7 @@ from .dllm_checkpoints import (
     load_dllm,
     read_layout,
 )
+from .dpo import DPO, DPOOptions, dpo_pair_losses
 from .flow_matching import FlowMatching
 from .llada_layout import LLADA_MASK_TOKEN_ID, export_llada
 from .masked_diffusion import (
@@ -39,11 +40,13 @@ from .masked_diffusion import (
 __all__ = [
     "CAPABILITIES",
     "DLLM_LAYOUTS",
+    "DPO",
     "LLADA_MASK_TOKEN_ID",
     "OBJECTIVE_REGISTRY",
     "CausalLM",
     "CeFlowMatching",
     "CeFlowMatchingOptions",
+    "DPOOptions",
     "DllmCheckpoint",
     "DllmLayout",
     "FlowMatching",
@@ -54,6 +57,7 @@ __all__ = [
     "ObjectiveOutput",
     "SampleResult",
     "diffusion_generate",
+    "dpo_pair_losses",
     "draw_masks",
     "export_dream",
     "export_llada",

@@ -14,6 +14,7 @@ the name is unknown.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 from collections.abc import Callable
@@ -60,6 +61,9 @@ class ObjectiveContext:
       rank's slice of the row, and the objective reduces its sums over the group.
     * ``loss_backend``: the fused linear cross-entropy's backend
       (``lmms_kernels.fused_linear_cross_entropy``).
+    * ``reference``: a context factory under which the model computes the frozen reference
+      policy (LoRA: ``lmms_models.LoraHandle.disabled``, the adapters off), or None: no reference
+      (preference objectives then refuse).
     """
 
     seed: int = 0
@@ -67,6 +71,7 @@ class ObjectiveContext:
     micro_batch: int = 0
     sp_group: Any = None
     loss_backend: str = "auto"
+    reference: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,6 +114,10 @@ class Objective:
     #: family's ``ModelSpec.objective_capabilities()`` must all include (checked by
     #: :meth:`family_problem` before the model is built).
     requires: ClassVar[frozenset[str]] = frozenset({"token_lm"})
+    #: The objective trains on preference pairs (lmms_data's ``dataset_type: preference``: each
+    #: sample a chosen and a rejected document) against a frozen reference policy
+    #: (``ObjectiveContext.reference``); the trainer checks both at start-up.
+    preference: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         if self.Options is None:
