@@ -108,14 +108,11 @@ KNOWN_NAMES = {
     "apps/trainer/src/lmms_train/config/_schema.py": 1,
     # Liger's RMSNorm casting mode is called "llama" (not the family)
     "packages/lmms-kernels/src/lmms_kernels/_liger.py": 4,
-    # lmms-data: the bagel synthetic records and row collation, the default processor family,
-    # the local (test) processor builders
+    # lmms-data: the bagel synthetic records and row collation, the default processor family
     "packages/lmms-data/src/lmms_data/__init__.py": 3,
     "packages/lmms-data/src/lmms_data/_collate.py": 1,
     "packages/lmms-data/src/lmms_data/_config.py": 1,
-    "packages/lmms-data/src/lmms_data/_local_audio.py": 9,
-    "packages/lmms-data/src/lmms_data/_local_llava.py": 3,
-    "packages/lmms-data/src/lmms_data/_local_processor.py": 10,
+    "packages/lmms-data/src/lmms_data/_local_processor.py": 1,  # the default family
     "packages/lmms-data/src/lmms_data/_synthetic_bagel.py": 5,
 }
 

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 import lmms_data as ld
-from lmms_data._local_llava import TINY_LLAVA
+from lmms_data.processors._local_llava import TINY_LLAVA
 from lmms_models import get_model_spec
 from lmms_models.testing import reference_loss_sum
 
@@ -161,7 +161,7 @@ def test_vision_imbalance_is_max_over_mean():
 
 
 def test_released_processor_settings_match_the_presets():
-    from lmms_data._local_llava import RELEASED_LLAVA
+    from lmms_data.processors._local_llava import RELEASED_LLAVA
 
     spec = get_model_spec("llava_onevision")
     for name in ("0.5b", "7b"):

@@ -9,6 +9,10 @@ then the folder holds the tokenizer and image processor only (transformers 5.x c
 Qwen-VL ``AutoProcessor`` without torchvision), which is all ``lmms_data`` needs. For a text
 family (``qwen2``, ``qwen2_5``, ``qwen3``) the folder holds the tokenizer only (same special
 tokens and chat template), loadable with ``AutoTokenizer.from_pretrained(path)``.
+
+This module holds the shared parts (tokenizer, chat template, the registry); what a family's
+folder holds is registered by its module of :mod:`lmms_data.processors`
+(:func:`register_local_processor`).
 """
 
 from __future__ import annotations
@@ -16,9 +20,28 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
-from lmms_data.processors._text import TEXT_FAMILIES
+#: ``family -> builder(out_dir, family, *, vocab_size, min_pixels, max_pixels) -> info``: the local
+#: processor folder of each processor family, filled by the family's module of
+#: :mod:`lmms_data.processors` (:func:`register_local_processor`).
+LOCAL_PROCESSOR_BUILDERS: dict[str, Callable[..., dict[str, Any]]] = {}
+
+
+def register_local_processor(*names: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` builds the local processor folder of the processor families ``names``
+    (a name already taken is refused)."""
+
+    def deco(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        for name in names:
+            if name in LOCAL_PROCESSOR_BUILDERS:
+                raise ValueError(f"a local processor builder for {name!r} is already registered")
+            LOCAL_PROCESSOR_BUILDERS[name] = fn
+        return fn
+
+    return deco
+
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -44,13 +67,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-# per family: (processor class, patch size, image mean/std)
-_FAMILIES = {
-    "qwen2_5_vl": ("Qwen2_5_VLProcessor", 14, [0.48145466, 0.4578275, 0.40821073],
-                   [0.26862954, 0.26130258, 0.27577711]),
-    "qwen3_vl": ("Qwen3VLProcessor", 16, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5]),
-}  # fmt: skip
 
 _CORPUS = [
     "You are a helpful assistant.",
@@ -80,35 +96,29 @@ def build_local_processor(
     min_pixels: int = 56 * 56,
     max_pixels: int = 28 * 28 * 256,
 ) -> dict[str, Any]:
-    """Write a tokenizer + chat template + image processor folder to ``out_dir`` (< 1 s).
-
-    Text families (``TEXT_FAMILIES``) get a tokenizer-only folder (no image processor).
+    """Write a tokenizer + chat template + image processor folder to ``out_dir`` (< 1 s), as the
+    processor family ``family`` registered it (:data:`LOCAL_PROCESSOR_BUILDERS`; text families
+    get a tokenizer-only folder).
 
     Returns ``{"path", "vocab_size", "image_token_id", "video_token_id", "vision_start_token_id",
     "vision_end_token_id", "eos_token_id", "pad_token_id", ...}`` so a tiny model config can match.
     """
-    from lmms_data._local_audio import AUDIO_FAMILIES, build_local_audio_processor
+    import lmms_data.processors  # noqa: F401  (the families register their builders)
 
-    if family == "text_pretrain":  # plain-text pretraining: the text families' tokenizer folder
-        family = "qwen3"
-    if family in AUDIO_FAMILIES:
-        return build_local_audio_processor(out_dir, family, vocab_size=vocab_size)
-    if family == "bagel":  # BAGEL reads Qwen2.5's tokenizer (<|vision_start|>/<|vision_end|>)
-        family = "qwen2_5_vl"
-    if family == "llava_onevision":
-        from lmms_data._local_llava import build_local_llava_processor
+    builder = LOCAL_PROCESSOR_BUILDERS.get(family)
+    if builder is None:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(LOCAL_PROCESSOR_BUILDERS)}")
+    return builder(
+        out_dir, family, vocab_size=vocab_size, min_pixels=min_pixels, max_pixels=max_pixels
+    )
 
-        return build_local_llava_processor(out_dir, vocab_size=vocab_size)
-    if family not in _FAMILIES and family not in TEXT_FAMILIES:
-        known = sorted([*_FAMILIES, *TEXT_FAMILIES, *AUDIO_FAMILIES])
-        raise ValueError(f"unknown family {family!r}; known: {known}")
+
+def build_text_processor(out_dir: str, family: str, *, vocab_size: int = 1024) -> dict[str, Any]:
+    """A tokenizer-only folder (the Qwen special tokens and chat template)."""
     os.makedirs(out_dir, exist_ok=True)
     hf_tok = train_tokenizer(vocab_size, SPECIAL_TOKENS)
-    if family in TEXT_FAMILIES:
-        hf_tok.save_pretrained(out_dir)
-        return _write_info(out_dir, family, hf_tok, patch=None)
-    _save_vl(out_dir, family, hf_tok, min_pixels, max_pixels)
-    return _write_info(out_dir, family, hf_tok, patch=_FAMILIES[family][1])
+    hf_tok.save_pretrained(out_dir)
+    return _write_info(out_dir, family, hf_tok, patch=None)
 
 
 def train_tokenizer(
@@ -137,47 +147,6 @@ def train_tokenizer(
     )
     hf_tok.chat_template = chat_template
     return hf_tok
-
-
-def _save_vl(out_dir: str, family: str, hf_tok: Any, min_pixels: int, max_pixels: int) -> None:
-    """Save the tokenizer with a Qwen-VL image (and, with torchvision, video) processor."""
-    import transformers
-
-    cls_name, patch, mean, std = _FAMILIES[family]
-
-    ip_kwargs = dict(
-        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        patch_size=patch, temporal_patch_size=2, merge_size=2, image_mean=mean, image_std=std,
-    )  # fmt: skip
-    if _has_torchvision():
-        image_processor = transformers.Qwen2VLImageProcessor(**ip_kwargs)
-    else:
-        from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil_mod
-
-        image_processor = pil_mod.Qwen2VLImageProcessorPil(**ip_kwargs)
-    processor_cls = getattr(transformers, cls_name)
-    video_processor = None
-    if _has_torchvision():
-        vp_cls = (
-            transformers.Qwen3VLVideoProcessor
-            if family == "qwen3_vl"
-            else transformers.Qwen2VLVideoProcessor
-        )
-        video_processor = vp_cls(
-            size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 2},
-            patch_size=patch, temporal_patch_size=2, merge_size=2, image_mean=mean, image_std=std,
-        )  # fmt: skip
-    try:
-        proc = processor_cls(
-            image_processor=image_processor, tokenizer=hf_tok, video_processor=video_processor,
-            chat_template=CHAT_TEMPLATE,
-        )  # fmt: skip
-        proc.save_pretrained(out_dir)
-    except (AttributeError, ImportError, ValueError, TypeError):
-        # without torchvision transformers cannot build a Qwen-VL processor (its video processor
-        # needs it): save the parts; AutoTokenizer / AutoImageProcessor (and lmms_data) load them
-        hf_tok.save_pretrained(out_dir)
-        image_processor.save_pretrained(out_dir)
 
 
 def _write_info(out_dir: str, family: str, hf_tok: Any, patch: int | None) -> dict[str, Any]:

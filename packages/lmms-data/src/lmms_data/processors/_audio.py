@@ -25,6 +25,7 @@ import numpy as np
 
 from lmms_data._audio import AudioOptions, load_audio_clips
 from lmms_data._errors import BadRecordError
+from lmms_data._local_processor import register_local_processor
 from lmms_data._registry import register_processor
 from lmms_data.processors._chat import IGNORE_INDEX, load_tokenizer, tokenize_chat
 
@@ -185,3 +186,10 @@ class Qwen2AudioDataProcessor:
             audio_tokens=int((types != 0).sum()),
         )
         return sample
+
+
+@register_local_processor("qwen2_audio")
+def _local_audio(out_dir: str, family: str, *, vocab_size: int = 1024, **_: Any) -> dict:
+    from lmms_data.processors._local_audio import build_local_audio_processor
+
+    return build_local_audio_processor(out_dir, family, vocab_size=vocab_size)

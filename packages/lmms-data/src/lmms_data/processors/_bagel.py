@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image
 
 from lmms_data._errors import BadRecordError
+from lmms_data._local_processor import register_local_processor
 from lmms_data._media import load_image
 from lmms_data._registry import register_processor
 from lmms_data.processors._chat import load_tokenizer
@@ -137,3 +138,12 @@ def collate_parts(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "num_samples": len(samples),
         "vision_tokens": int(sum(int(s.get("vision_tokens", 0)) for s in samples)),
     }
+
+
+@register_local_processor("bagel")
+def _local_bagel(out_dir: str, family: str, **options: Any) -> dict[str, Any]:
+    """BAGEL reads Qwen2.5's tokenizer (``<|vision_start|>`` / ``<|vision_end|>``): the
+    Qwen2.5-VL folder."""
+    from lmms_data.processors._qwen_vl import LOCAL_VL, build_vl_processor
+
+    return build_vl_processor(out_dir, "qwen2_5_vl", LOCAL_VL["qwen2_5_vl"], **options)

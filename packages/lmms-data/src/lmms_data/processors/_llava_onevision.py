@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from lmms_data._errors import BadRecordError
+from lmms_data._local_processor import register_local_processor
 from lmms_data._media import decode_video_part, load_image
 from lmms_data._registry import register_processor
 from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
@@ -201,3 +202,10 @@ class LlavaOnevisionDataProcessor:
             mm_token_type_ids=types.astype(np.int64),
         )  # fmt: skip
         return sample
+
+
+@register_local_processor("llava_onevision")
+def _local_llava(out_dir: str, family: str, *, vocab_size: int = 1024, **_: Any) -> dict:
+    from lmms_data.processors._local_llava import build_local_llava_processor
+
+    return build_local_llava_processor(out_dir, vocab_size=vocab_size)

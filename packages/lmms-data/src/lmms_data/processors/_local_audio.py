@@ -1,4 +1,5 @@
-"""Local processor folders of the audio families (``build_local_processor(path, "qwen2_audio")``).
+"""Local processor folders of the audio families (``build_local_processor(path, "qwen2_audio")``;
+registered by their processor modules).
 
 The tokenizer is the tiny deterministic one of :mod:`lmms_data._local_processor` with the audio
 special tokens of the Qwen audio models appended (``<|AUDIO|>``, ``<|audio_bos|>``,
@@ -87,12 +88,12 @@ def build_local_audio_processor(
     )
     fe = whisper_feature_extractor()
     if omni:  # the Qwen-VL image/video processors, then the feature extractor beside them
-        from lmms_data._local_processor import _save_vl
+        from lmms_data.processors._qwen_vl import LOCAL_VL, save_vl
 
         if omni3:
-            _save_vl(out_dir, "qwen3_vl", hf_tok, 64 * 64, 32 * 32 * 256)
+            save_vl(out_dir, LOCAL_VL["qwen3_vl"], hf_tok, 64 * 64, 32 * 32 * 256)
         else:
-            _save_vl(out_dir, "qwen2_5_vl", hf_tok, 56 * 56, 28 * 28 * 256)
+            save_vl(out_dir, LOCAL_VL["qwen2_5_vl"], hf_tok, 56 * 56, 28 * 28 * 256)
         hf_tok.chat_template = template
         hf_tok.save_pretrained(out_dir)
         with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:

@@ -24,6 +24,7 @@ import numpy as np
 
 from lmms_data._audio import load_audio_clips
 from lmms_data._errors import BadRecordError
+from lmms_data._local_processor import register_local_processor
 from lmms_data._media import decode_video_part, load_image
 from lmms_data._registry import register_processor
 from lmms_data.processors._audio import (
@@ -335,3 +336,10 @@ class Qwen2_5OmniDataProcessor(QwenVLProcessor):
             mm_token_type_ids=types.astype(np.int64),
         )
         return sample
+
+
+@register_local_processor("qwen2_5_omni")
+def _local_omni(out_dir: str, family: str, **options: Any) -> dict:
+    from lmms_data.processors._audio import _local_audio
+
+    return _local_audio(out_dir, family, **options)

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from lmms_data._local_processor import register_local_processor
 from lmms_data._registry import register_processor
 from lmms_data.processors._omni import Qwen2_5OmniDataProcessor
 
@@ -191,3 +192,10 @@ class Qwen3OmniMoeDataProcessor(Qwen2_5OmniDataProcessor):
             second_per_grid=spg, merge=self.merge, per_second=self.per_second,
         )  # fmt: skip
         return np.concatenate([np.arange(len(ids), dtype=_F32)[None], rope])
+
+
+@register_local_processor("qwen3_omni_moe")
+def _local_omni3(out_dir: str, family: str, **options: Any) -> dict:
+    from lmms_data.processors._audio import _local_audio
+
+    return _local_audio(out_dir, family, **options)

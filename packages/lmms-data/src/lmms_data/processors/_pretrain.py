@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from lmms_data._errors import BadRecordError
+from lmms_data._local_processor import build_text_processor, register_local_processor
 from lmms_data._registry import register_dataset, register_processor
 from lmms_data.processors._chat import load_tokenizer
 
@@ -77,3 +78,9 @@ class PretrainTextProcessor:
             "position_ids": np.arange(n, dtype=np.int64),  # [L]
             "length": n,
         }
+
+
+@register_local_processor("text_pretrain")
+def _local_pretrain(out_dir: str, family: str, *, vocab_size: int = 1024, **_: Any) -> dict:
+    """Plain-text pretraining reads the text families' tokenizer folder."""
+    return build_text_processor(out_dir, "qwen3", vocab_size=vocab_size)

@@ -15,12 +15,22 @@ the cost of owning ~30 lines of resize/patch code.
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from lmms_data._errors import BadRecordError
+from lmms_data._local_processor import (
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    _has_torchvision,
+    _write_info,
+    register_local_processor,
+    train_tokenizer,
+)
 from lmms_data._media import decode_video_part, load_image
 from lmms_data._registry import register_processor
 from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
@@ -253,3 +263,82 @@ class Qwen3VLDataProcessor(QwenVLProcessor):
             f"<{t:.1f} seconds>{self.vision_start}{self.video_token * n}{self.vision_end}"
             for t in stamps
         )
+
+
+# ---------------------------------------------------------------- local (test) processor folders
+@dataclass(frozen=True, slots=True)
+class VLSettings:
+    """A Qwen-VL-style processor folder: transformers' processor class, patch size, image
+    mean/std, and the video processor class (used with torchvision)."""
+
+    processor_class: str
+    patch_size: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    video_processor_class: str = "Qwen2VLVideoProcessor"
+
+
+def build_vl_processor(
+    out_dir: str, family: str, vl: VLSettings, *, vocab_size: int = 1024,
+    min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 256,
+) -> dict[str, Any]:  # fmt: skip
+    """A tokenizer + Qwen-VL-style image (and video) processor folder of settings ``vl``."""
+    os.makedirs(out_dir, exist_ok=True)
+    hf_tok = train_tokenizer(vocab_size, SPECIAL_TOKENS)
+    save_vl(out_dir, vl, hf_tok, min_pixels, max_pixels)
+    return _write_info(out_dir, family, hf_tok, patch=vl.patch_size)
+
+
+def save_vl(out_dir: str, vl: VLSettings, hf_tok: Any, min_pixels: int, max_pixels: int) -> None:
+    """Save the tokenizer with a Qwen-VL image (and, with torchvision, video) processor."""
+    import transformers
+
+    cls_name, patch = vl.processor_class, vl.patch_size
+    mean, std = list(vl.image_mean), list(vl.image_std)
+
+    ip_kwargs = dict(
+        size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        patch_size=patch, temporal_patch_size=2, merge_size=2, image_mean=mean, image_std=std,
+    )  # fmt: skip
+    if _has_torchvision():
+        image_processor = transformers.Qwen2VLImageProcessor(**ip_kwargs)
+    else:
+        from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil_mod
+
+        image_processor = pil_mod.Qwen2VLImageProcessorPil(**ip_kwargs)
+    processor_cls = getattr(transformers, cls_name)
+    video_processor = None
+    if _has_torchvision():
+        vp_cls = getattr(transformers, vl.video_processor_class)
+        video_processor = vp_cls(
+            size={"shortest_edge": min_pixels, "longest_edge": max_pixels * 2},
+            patch_size=patch, temporal_patch_size=2, merge_size=2, image_mean=mean, image_std=std,
+        )  # fmt: skip
+    try:
+        proc = processor_cls(
+            image_processor=image_processor, tokenizer=hf_tok, video_processor=video_processor,
+            chat_template=CHAT_TEMPLATE,
+        )  # fmt: skip
+        proc.save_pretrained(out_dir)
+    except (AttributeError, ImportError, ValueError, TypeError):
+        # without torchvision transformers cannot build a Qwen-VL processor (its video processor
+        # needs it): save the parts; AutoTokenizer / AutoImageProcessor (and lmms_data) load them
+        hf_tok.save_pretrained(out_dir)
+        image_processor.save_pretrained(out_dir)
+
+
+#: The local (test) processor folders of the Qwen-VL families (``build_local_processor``).
+LOCAL_VL = {
+    "qwen2_5_vl": VLSettings(
+        "Qwen2_5_VLProcessor", 14, (0.48145466, 0.4578275, 0.40821073),
+        (0.26862954, 0.26130258, 0.27577711),
+    ),
+    "qwen3_vl": VLSettings(
+        "Qwen3VLProcessor", 16, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "Qwen3VLVideoProcessor"
+    ),
+}  # fmt: skip
+
+
+@register_local_processor(*LOCAL_VL)
+def _local_vl(out_dir: str, family: str, **options: Any) -> dict[str, Any]:
+    return build_vl_processor(out_dir, family, LOCAL_VL[family], **options)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from lmms_data._errors import BadRecordError
+from lmms_data._local_processor import build_text_processor, register_local_processor
 from lmms_data._registry import register_processor
 from lmms_data.processors._chat import IGNORE_INDEX, load_tokenizer, tokenize_chat
 
@@ -70,3 +71,8 @@ class QwenTextProcessor:
             "position_ids": np.arange(L, dtype=np.int64),  # [L]
             "length": L,
         }
+
+
+@register_local_processor(*TEXT_FAMILIES)
+def _local_text(out_dir: str, family: str, *, vocab_size: int = 1024, **_: Any) -> dict[str, Any]:
+    return build_text_processor(out_dir, family, vocab_size=vocab_size)
