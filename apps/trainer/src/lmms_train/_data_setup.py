@@ -9,7 +9,6 @@ exist, rank 0 generates the synthetic dataset and a small local tokenizer/proces
 from __future__ import annotations
 
 import dataclasses
-import glob
 import itertools
 import re
 from pathlib import Path
@@ -40,7 +39,9 @@ def _processor_path(cfg: TrainConfig) -> str | None:
 
 def _exists(path: str | list[str]) -> bool:
     paths = [path] if isinstance(path, str) else path
-    return all(Path(p).exists() or glob.glob(p, recursive=True) for p in paths)  # as lmms-data
+    from lmms_data import dataset_path_exists  # a glob as lmms-data expands it; URLs too
+
+    return all(dataset_path_exists(p) for p in paths)
 
 
 def prepare_inputs(cfg: TrainConfig, env: DistEnv, spec: Any) -> dict[str, int] | None:
@@ -164,20 +165,20 @@ class TrainData:
 
     def __init__(self, loader: Any, finish: Any = None, *, until_exhausted: bool = False) -> None:
         self.loader, self.finish = loader, finish
+        self.until_exhausted = until_exhausted  # max_steps: -1: the run ends with the data
 
     def __iter__(self):
         it = iter(self.loader)
         while True:
-        self.until_exhausted = until_exhausted  # max_steps: -1: the run ends with the data
             try:
                 batch = next(it)
             except StopIteration:
+                if self.until_exhausted:
+                    return
                 raise UserError(
                     "the training data ran out before max_steps (set dataset_config.num_epochs: null)"
                 ) from None
             except (ValueError, RuntimeError) as exc:
-                if self.until_exhausted:
-                    return
                 name, text = _unwrap(exc)
                 if name in ("BadRecordRatioExceeded", "BadRecordError"):
                     lines = text.splitlines()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob
 import os
 import socket
 import time
@@ -149,7 +148,9 @@ def _device_problems(cfg: TrainConfig, problems: list[str]) -> None:
 
 
 def _exists(path: str) -> bool:
-    return Path(path).exists() or bool(glob.glob(path, recursive=True))  # as lmms-data reads it
+    from lmms_data import dataset_path_exists  # a glob as lmms-data expands it; URLs too
+
+    return dataset_path_exists(path)
 
 
 def _path_problems(cfg: TrainConfig, problems: list[str]) -> None:

@@ -46,6 +46,7 @@ from lmms_data._registry import (
     register_dataset,
     register_processor,
 )
+from lmms_data._remote import dataset_path_exists
 from lmms_data._stream import SlotStream
 from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
 from lmms_data._synthetic_audio import generate_synthetic_audio, generate_synthetic_omni
@@ -97,6 +98,7 @@ __all__ = [
     "check_keys",
     "collate_packed_batch",
     "dataset_fingerprint",
+    "dataset_path_exists",
     "decode_audio",
     "discover_units",
     "generate_synthetic_audio",

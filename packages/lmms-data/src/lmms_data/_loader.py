@@ -27,6 +27,7 @@ from lmms_data._config import DatasetConfig
 from lmms_data._errors import BadRecordError, BadRecordStats, logger
 from lmms_data._readers import Unit, discover_units, list_files, unreadable_reason
 from lmms_data._registry import PROCESSOR_REGISTRY
+from lmms_data._remote import file_size, is_url, remote_names
 from lmms_data._shape import check_shape
 from lmms_data._stream import SlotStream
 
@@ -71,8 +72,11 @@ def dataset_fingerprint(cfg: DatasetConfig) -> list[list[list[Any]]]:
     out = []
     for path in cfg.paths:
         files = [f for f, _ in list_files(path, cfg.dataset_format)]
+        if is_url(path):
+            out.append([[n, file_size(f)] for n, f in zip(remote_names(path, files), files)])
+            continue
         base = path if os.path.isdir(path) else os.path.dirname(os.path.commonpath(files))
-        out.append([[os.path.relpath(f, base), os.path.getsize(f)] for f in files])
+        out.append([[os.path.relpath(f, base), file_size(f)] for f in files])
     return out
 
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from lmms_data._errors import BadRecordError
 from lmms_data._json_array import NO_END, iter_array, read_element, sniff, split_points
+from lmms_data._remote import file_size, is_url, open_parquet, remote_files
 
 JSONL_CHUNK_BYTES = 64 << 20
 _EXT = {
@@ -80,6 +80,8 @@ def _is_hf_dir(path: str) -> bool:
 
 def list_files(path: str, fmt: str | None) -> list[tuple[str, str]]:
     """(file, format) pairs of one ``dataset_path`` entry, sorted for a stable order."""
+    if is_url(path):  # Parquet behind a URL (hf://, s3://, ...): lmms_data._remote
+        return [(f, "parquet") for f in remote_files(path, fmt)]
     if os.path.isdir(path) and (fmt == "hf" or (fmt is None and _is_hf_dir(path))):
         with open(os.path.join(path, "state.json")) as f:
             state = json.load(f)
@@ -139,7 +141,7 @@ def file_units(file: str, fmt: str) -> list[Unit]:
     """The units of one file. An empty file has none; a Parquet/Arrow file whose metadata cannot
     be read (truncated, corrupt) is one unit of format ``corrupt``, which yields one bad record
     of reason ``corrupt_file``: skipped and counted, or raised under ``bad_record_policy: raise``."""
-    if os.path.getsize(file) == 0:
+    if file_size(file) == 0:
         return []
     try:
         return _file_units(file, fmt)
@@ -151,7 +153,7 @@ def file_units(file: str, fmt: str) -> list[Unit]:
 
 def _file_units(file: str, fmt: str) -> list[Unit]:
     if fmt == "parquet":
-        md = pq.ParquetFile(file).metadata
+        md = open_parquet(file).metadata
         units, base = [], 0
         for i in range(md.num_row_groups):
             n = md.row_group(i).num_rows
@@ -210,7 +212,7 @@ def discover_units(path: str, fmt: str | None, min_units: int) -> list[Unit]:
         units = [s for u in units for s in split_unit(u, k)]
     if not units:
         files = [f for f, _ in list_files(path, fmt)]
-        empty = [f for f in files if os.path.getsize(f) == 0]
+        empty = [f for f in files if file_size(f) == 0]
         what = (
             f"{len(empty)} of {len(files)} file(s) are empty, e.g. {empty[0]!r}"
             if empty
@@ -302,7 +304,7 @@ def _corrupt(unit: Unit, exc: BaseException | None = None) -> BadRecordError:
 
 def _iter_rows(unit: Unit, start: int) -> Iterator[tuple[int, dict]]:
     if unit.fmt == "parquet":
-        pf = pq.ParquetFile(unit.file)
+        pf = open_parquet(unit.file)
         i = 0
         for batch in pf.iter_batches(batch_size=_READ_BATCH, row_groups=[unit.part]):
             j = i + batch.num_rows
@@ -355,7 +357,7 @@ def read_at(unit: Unit, positions: list[int]) -> dict[int, Any]:
         if unit.fmt == "corrupt":
             raise OSError("unreadable file")
         if unit.fmt == "parquet":
-            table = pq.ParquetFile(unit.file).read_row_group(unit.part)
+            table = open_parquet(unit.file).read_row_group(unit.part)
         else:
             table = _arrow_batch(unit)
     except _CORRUPT as e:
