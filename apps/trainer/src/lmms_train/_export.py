@@ -68,6 +68,7 @@ def export_run(
     dtype: str = "auto",
     adapter: Any = None,
     adapter_dir: str | Path | None = None,
+    writer: Any = None,
 ) -> Path | None:
     """Write the complete HF folder (rank 0 returns it; other ranks return None).
 
@@ -78,6 +79,7 @@ def export_run(
     `adapter` (lmms_models.LoraHandle, `model_config.lora`): `out_dir` gets the adapters merged
     into the upstream weights, and `adapter_dir` (if given) peft's adapter folder
     (`adapter_config.json` + `adapter_model.safetensors`, fp32 unless `dtype` says otherwise).
+    `writer`: the family's own folder writer (`spec.export_writer(model)`; lmms_parallel.export_hf).
     """
     from lmms_parallel import export_hf
 
@@ -95,7 +97,9 @@ def export_run(
                 adapter.save_adapter(cast, adapter_dir)
             return adapter.merged_state(full)
 
-    out = export_hf(model, out_dir, weights=weights, dtype=torch_dtype, transform=transform)
+    out = export_hf(
+        model, out_dir, weights=weights, dtype=torch_dtype, transform=transform, writer=writer
+    )
     if out is None:
         return None
     if torch_dtype is not None:

@@ -245,7 +245,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
         source = cfg.model_config.load_from_pretrained_path
         hf = export_run(built.model, out / "hf", weights=built.state_module,
                         processor_path=_processor_path(cfg), dtype=t.export_dtype,
-                        adapter=built.adapter, adapter_dir=out / "adapter")  # fmt: skip
+                        adapter=built.adapter, adapter_dir=out / "adapter",
+                        writer=spec.export_writer(built.model))  # fmt: skip
         if hf is not None:  # the family's release layout, if any (e.g. a full Omni)
             spec.finish_export(hf, source)
         if t.ema_decay is not None:  # the EMA weights, same layout
@@ -254,7 +255,8 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
             with ema_weights(optimizer):
                 hf = export_run(built.model, out / "hf_ema", weights=built.state_module,
                                 processor_path=_processor_path(cfg), dtype=t.export_dtype,
-                                adapter=built.adapter, adapter_dir=out / "adapter_ema")  # fmt: skip
+                                adapter=built.adapter, adapter_dir=out / "adapter_ema",
+                                writer=spec.export_writer(built.model))  # fmt: skip
             if hf is not None:
                 spec.finish_export(hf, source)
     if env.is_main:

@@ -256,6 +256,12 @@ class ModelSpec:
         itself when the family reads its release (e.g. an Omni thinker out of the full model)."""
         return folder
 
+    def export_writer(self, model: nn.Module) -> Callable[..., Any] | None:
+        """``writer(out_dir, state_dict=...)`` that writes an export folder of ``model`` in the
+        family's own layout (handed to lmms_parallel's ``export_hf``); None (default): the
+        model's transformers ``save_pretrained``."""
+        return None
+
     def finish_export(self, out: str | Path, source: str | None) -> None:
         """After the trainer's HF export to ``out`` of a run that started from ``source`` (a
         ``load_from_pretrained_path`` folder, or None): rewrite the release's layout if the

@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,7 @@ def export_hf(
     max_shard_size: str = "5GB",
     weights: nn.Module | None = None,
     transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    writer: Callable[..., Any] | None = None,
 ) -> Path | None:
     """Write ``out_dir`` loadable by ``from_pretrained``; returns it on rank 0, ``None`` elsewhere.
 
@@ -67,6 +69,9 @@ def export_hf(
             provides ``save_pretrained`` and the config.
         transform: on rank 0, maps the gathered full state dict to the one written (e.g. LoRA
             adapters merged into the upstream weights: ``lmms_models.LoraHandle.merged_state``).
+        writer: ``writer(out_dir, state_dict=full)`` writes the folder in the model's own layout
+            (the model family's export hook, ``ModelSpec.export_writer``); default: transformers'
+            ``save_pretrained`` of the model's class, or plain safetensors shards.
     """
     full = gather_full_state_dict(model if weights is None else weights)
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -78,8 +83,9 @@ def export_hf(
         full = transform(full)
     if dtype is not None:
         full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
-    save_pretrained = getattr(_unwrapped(model), "save_pretrained", None)
-    if save_pretrained is not None:
+    if writer is not None:
+        writer(str(out), state_dict=full)
+    elif (save_pretrained := getattr(_unwrapped(model), "save_pretrained", None)) is not None:
         save_pretrained(
             str(out), state_dict=full, safe_serialization=True, max_shard_size=max_shard_size
         )
@@ -95,13 +101,10 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     own class: transformers finds the key renaming it reverts on save (e.g. Qwen2.5-VL's
     ``model.language_model.*`` back to the hub's ``model.*``) by class name, which FSDP2's
     wrapper class (``FSDP<Name>``) hides, so the wrapped model would write its internal names.
-    A ``save_pretrained`` set on the instance (a family that writes its own layout from the
-    ``state_dict=`` it is given) is kept: the twin, built from the class, would not have it."""
+    (A family that writes its own layout hands ``export_hf`` its ``writer``.)"""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule) or not hasattr(model, "config"):
-        return model
-    if "save_pretrained" in model.__dict__:  # the instance's own writer (e.g. lmms' wan) wins
         return model
     cls = next(c for c in type(model).__mro__[1:] if not issubclass(c, FSDPModule))
     with torch.device("meta"):  # eager attention: the run's may be registered under any name

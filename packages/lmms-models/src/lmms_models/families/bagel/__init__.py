@@ -245,9 +245,6 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
             vae = str(Path(pretrained) / "vae")
         if vae is not None:
             self.attach_vae(model, vae)
-        # exports write this family's folder (config.json + model.safetensors + vae/); an
-        # instance attribute, so FSDP2's wrapper class keeps it (lmms_parallel.export_hf)
-        model.save_pretrained = functools.partial(save_bagel, model)
         return model
 
     # ---------------------------------------------------------------- data (lmms-train)
@@ -312,6 +309,10 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
                 for lat, px in zip(batch["vae_latents"], pixels, strict=True)
             ]
         return batch
+
+    def export_writer(self, model: nn.Module) -> Any:
+        """Exports write this family's folder (config.json + model.safetensors + vae/)."""
+        return functools.partial(save_bagel, model)
 
     def render(self, model: nn.Module, request: RenderRequest) -> Any:
         """One image per prompt, side by side (:func:`._render.render_images`)."""

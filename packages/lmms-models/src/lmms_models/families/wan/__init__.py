@@ -132,9 +132,6 @@ class WanSpec(DiffusionSpec, Renders):
             rope = model.rope
             model.rope = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len)
         self.attach_encoders(model, self.split_encoders(config)[1])  # type: ignore[arg-type]
-        # lmms_parallel.export_hf hands the gathered weights as state_dict=, which diffusers'
-        # save_pretrained does not take: this instance writes them in diffusers' own layout.
-        model.save_pretrained = functools.partial(_save_pretrained, model)
         return model if dtype == torch.float32 else model.to(dtype)
 
     def _transformer_config(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -194,6 +191,11 @@ class WanSpec(DiffusionSpec, Renders):
         if sp_group is not None:  # every SP rank holds the full output: 1/sp of its gradient
             out = scale_grad(out, 1.0 / torch.distributed.get_world_size(sp_group))
         return out
+
+    def export_writer(self, model: nn.Module) -> Any:
+        """lmms_parallel.export_hf hands the gathered weights as ``state_dict=``, which
+        diffusers' ``save_pretrained`` does not take: written in diffusers' own layout."""
+        return functools.partial(_save_pretrained, model)
 
     def render(self, model: nn.Module, request: RenderRequest) -> Any:
         """One clip per prompt, side by side (:func:`._render.render_clips`)."""
