@@ -10,8 +10,8 @@ two inputs, varlen attention keeps q, k, v and its output), is counted by
 :meth:`TowerShape.saved_bytes_per_token`: the two norms' inputs and outputs (4·H), q, k, v and
 the attention output at the width the attention kernel stores them (head dims padded to what it
 computes), the output projection's input when that is a separate copy, and the MLP's
-intermediates (3·I gated, 2·I plain; top-k routed experts: k·I_expert each plus the k permuted
-token copies and their outputs). Measured against it (benchmarks/RESULTS.md, "Memory plan"):
+intermediates (3·I gated, 2·I plain; top-k routed experts: 3·k·I_expert plus four k·H copies of
+the routed tokens). Measured against it (benchmarks/RESULTS.md, "Memory plan"):
 Qwen2.5-3B text at 16k, no checkpointing, 93.8 GiB on an H200, 93.3 predicted.
 """
 
@@ -57,7 +57,10 @@ class TowerShape:
         attn = q + 2 * kv + q + out_copy
         if self.experts_per_token:
             k = self.experts_per_token
-            mlp = k * 3 * self.intermediate + 2 * k * h + 3 * self.shared_intermediate
+            # 4 k·H: the routed copies around the grouped GEMMs (sorted input, expert outputs,
+            # their unsorted copy and the weighted one); the hand count said 2, the H100 run of
+            # 2026-12-05 (Qwen3-MoE 16 layers, 32 experts top-4, 16k) measured 4 (RESULTS.md)
+            mlp = k * 3 * self.intermediate + 4 * k * h + 3 * self.shared_intermediate
             mlp += 2 * self.num_experts  # fp32 router logits
         else:
             mlp = (3 if self.gated_mlp else 2) * self.intermediate
