@@ -2,8 +2,10 @@
 
 A step's metrics are read one step late: after step N's work is queued, step N-1's loss and grad
 norm (copied to pinned memory without waiting, `PendingScalars`) are read and logged, so the host
-stays a step ahead and never idles the device. Eval, checkpoints, a stop request and the last
-step read the current step at once (the device drains there anyway). A non-finite loss is
+stays a step ahead and never idles the device. Eval, checkpoints and the last step read the
+current step at once (the device drains there anyway). A stop request (SIGTERM) is all-reduced
+with the next step's statistics, before that step runs: the last finished step is saved at that
+boundary (`_stop`), and a wait for data is interruptible (`_read`). A non-finite loss is
 therefore raised one step late, before anything is saved (`_guard`: the divergence guard).
 
 The next step's packs are read while this step's backward runs (`_fetch`: right after the last
@@ -331,7 +333,7 @@ def train_loop(run: Run) -> dict[str, Any]:
                 phases=phases,
                 host_keys=run.spec.host_keys,
             )
-            if not _done(t, run.state.step + 1) and not reduced["stop"]:
+            if not _done(t, run.state.step + 1):
                 upcoming = _fetch(run, data_iter, flops_fn)  # the GPU is busy with backward
                 phases.mark("data")  # the next pack's copy to the device, not the optimizer's
             plans = run.model if env.tp * env.ep > 1 else None  # norms over TP/EP meshes
@@ -379,6 +381,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                 host["flops_all_rows"] = per_sp["flops_lm"] + per_sp["flops_vision"]
             if run.guard.policy == "skip":  # steps whose update was dropped, so far
                 host["skipped_steps"] = run.guard.skipped
+            if t.max_steps < 0:  # passes over the data ended so far: the console's ETA
+                host["data_passes"] = run.data.passes_done()
             if t.compile:  # a rise after the first steps is a recompile mid-run
                 graphs = lmms_kernels.compile_counts()["graphs"]
                 host["compile/graphs"] = graphs
@@ -397,24 +401,14 @@ def train_loop(run: Run) -> dict[str, Any]:
                 global_count=global_count, data_wait=reduced["data_wait"], data_read=reduced["data_read"],
                 evaluate=evaluating, objective_metrics=names, skipped=skipped,
             )  # fmt: skip
-            stop = reduced["stop"] > 0
             periodic = t.save_steps and step % t.save_steps == 0
             final = step == t.max_steps and t.save_final
-            if periodic or final or stop or evaluating or step == t.max_steps:
+            if periodic or final or evaluating or step == t.max_steps:
                 last, queued = _finish(run, queued, phases), None
-            if periodic or final or stop:  # the loader's position after this step's packs
+            if periodic or final:  # the loader's position after this step's packs
                 _save(run, upcoming.data_state if upcoming else run.data.state_dict())
             gc_control.after_warmup()  # after this process's first step; a no-op after it
             gc_control.safe_point(step, full=bool(periodic or evaluating))
-            if stop:
-                run.stopped = not _done(t, step)  # in the last step: finished, not stopped
-                if env.is_main:
-                    print(
-                        f"[lmms-train] SIGTERM: saved step {step} and stopped",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                break
         if queued is not None:
             last = _finish(run, queued, phases)
     finally:
