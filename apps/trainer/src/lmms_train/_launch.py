@@ -45,8 +45,8 @@ __all__ = ["EXIT_DIR_VAR", "launch_exit_code", "launch_main", "recording_exit"]
 EXIT_DIR_VAR = "LMMS_TRAIN_EXIT_DIR"
 USAGE = (
     "usage: lmms-train launch [TORCHRUN OPTIONS] CONFIG.yaml [section.key=value ...]\n"
-    "  e.g. lmms-train launch --nproc_per_node=8 run.yaml (torchrun options in --name=value "
-    "form, before the config)"
+    "  e.g. lmms-train launch --nproc_per_node=8 run.yaml (torchrun's options before the "
+    "config; docs/failures.md)"
 )
 # most serious first: what the wrapper reports when workers disagree
 _PRECEDENCE = (EXIT_USER_ERROR, EXIT_INTERRUPTED, EXIT_STOPPED)
