@@ -184,7 +184,8 @@ def memory_preflight(
         return None
     try:
         facts = model_facts(cfg, spec, token_ids)
-    except (ValueError, TypeError, AttributeError, KeyError, NotImplementedError, OSError) as exc:
+    except (ValueError, TypeError, AttributeError, KeyError, RuntimeError, ImportError,
+            OSError) as exc:  # fmt: skip
         log(f"[lmms-train] memory plan skipped: {spec.name} did not build on meta ({exc})")
         return None
     if not facts.towers:

@@ -313,6 +313,10 @@ def _validate(cfg: TrainConfig) -> None:
         )
     _check(t.peak_flops is None or t.peak_flops > 0, "trainer_args.peak_flops must be > 0")
     _check(
+        0.0 <= t.memory_media_share <= 1.0,
+        f"trainer_args.memory_media_share must be in [0, 1], got {t.memory_media_share!r}",
+    )
+    _check(
         0.0 <= t.activation_checkpointing_fraction <= 1.0,
         "trainer_args.activation_checkpointing_fraction must be in [0, 1], got "
         f"{t.activation_checkpointing_fraction!r}",
