@@ -51,7 +51,7 @@ def test_sit_config_every_problem_once(tmp_path):
         dataset_config={"bad_record_policy": "skp"},
     )  # fmt: skip
     _one(problems, "objective 'flow_matchin' is not registered", "did you mean 'flow_matching'")
-    _one(problems, "config has no key 'hiden_size' (did you mean 'hidden_size'?)")
+    _one(problems, "config does not read 'hiden_size' (did you mean 'hidden_size'?)")
     _one(problems, "ema_decay must be in (0, 1)", "1.5")
     _one(problems, "sp_ulysses_degree", "sit has no sequence-parallel path")
     _one(problems, "world size 1 is not divisible by sp_ulysses_degree (3)")
@@ -121,6 +121,11 @@ def test_nested_model_config_keys_and_values(tmp_path):
         model_config={"load_from_config": {"config": {"num_key_value_heads": 3}}},
     )  # fmt: skip
     _one(problems, "num_key_value_heads (3) must divide num_attention_heads (4)")
+    problems = _problems(
+        "llama/tiny_cpu.yaml", tmp_path,
+        model_config={"load_from_config": {"config": {"attn_implementation": "eager"}}},
+    )  # fmt: skip
+    _one(problems, "does not read 'attn_implementation'", "set trainer_args.attn_backend instead")
 
 
 def test_no_family_config_of_the_repository_has_an_ignored_key():

@@ -27,6 +27,9 @@ from lmms_train.config import TrainConfig
 
 __all__ = ["model_problems"]
 
+# model-config keys that lmms sets from its own options (the config's value would be overridden)
+_TRAINER_OWNED = {"attn_implementation": "trainer_args.attn_backend"}
+
 
 def model_problems(cfg: TrainConfig, spec: Any) -> list[str]:
     """Every problem of the model section visible from the family's config object."""
@@ -53,9 +56,10 @@ def _config_object(cfg: TrainConfig, spec: Any, problems: list[str]) -> Any:
         return None
     unknown = spec.unknown_config_keys(lfc.config, conf) if lfc.config else []
     if unknown:
+        owned = [f"{k}: set {v} instead" for k, v in _TRAINER_OWNED.items() if k in lfc.config]
         problems.append(
-            f"model_config.load_from_config.config: {spec.name}'s config has no key "
-            f"{', '.join(unknown)}"
+            f"model_config.load_from_config.config: {spec.name}'s config does not read "
+            f"{', '.join(unknown)} (it would be ignored)" + "".join(f"; {o}" for o in owned)
         )
     try:
         hf_config = spec.make_config(conf)
