@@ -174,7 +174,7 @@ def test_qlora_trains_on_gpu(tmp_path):
                            "num_workers": 0},
         "trainer_args": {"output_dir": str(tmp_path / "run"), "max_steps": 8,
                          "learning_rate": 1e-2, "bf16": True, "export_hf": True,
-                         "save_final": False, "report_to": []},
+                         "save_steps": 4, "save_final": False, "report_to": []},
     }  # fmt: skip
     train(config_from_dict(cfg))
     losses = _losses(tmp_path / "run")

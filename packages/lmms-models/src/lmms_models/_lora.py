@@ -128,6 +128,13 @@ def _init_adapter(name: str, shape_a: tuple[int, int], seed: int) -> torch.Tenso
     return torch.rand(shape_a, generator=g, dtype=torch.float32).mul_(2 * bound).sub_(bound)
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or the dequantised values of a torchao NF4 tensor (QLoRA's base weights)."""
+    if type(t).__name__ != "NF4Tensor":  # torchao is optional: no import unless one is here
+        return t
+    return t.get_original_weight()
+
+
 def _stable_hash(text: str) -> int:
     h = 1469598103934665603  # FNV-1a, 64 bit (Python's hash() is salted per process)
     for byte in text.encode():
@@ -199,6 +206,7 @@ class LoraHandle:
         for key, value in full.items():
             if ".lora_A." in key or ".lora_B." in key:
                 continue
+            value = _dense(value)  # a QLoRA base weight: its dequantised values
             mod, _, leaf = key.rpartition(".")
             if mod.endswith(".base_layer"):
                 name = mod[: -len(".base_layer")]
