@@ -2,8 +2,8 @@
 resume replays noise, timesteps and CFG drops bit for bit (losses equal a straight run), the
 render command draws a class grid; Wan trains with its frozen encoders on the fly, renders a
 clip, precomputes latents + text embeddings to Parquet, and trains from those shards. BAGEL
-(ce_flow_matching): resume bit for bit incl. EMA and noise draws, a prompt rendered to a PNG, and
-FSDP2 on 2 ranks == 1 process through the trainer."""
+(ce_flow_matching): resume bit for bit incl. EMA and noise draws, a prompt rendered to a PNG.
+(FSDP2 on 2 ranks == 1 process for Wan and BAGEL: tests/test_cli_layouts.py.)"""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from e2e_helpers import bagel_args, step_rows
 
 from lmms_train import train
 from lmms_train.config import load_config
@@ -29,8 +30,7 @@ def _cfg(example: str, tmp: Path, out: str, *extra: str):
 
 
 def _losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["loss"] for r in step_rows(run)}
 
 
 def test_sit_resume_is_bitwise_and_render_draws_a_grid(tmp_path: Path) -> None:
@@ -114,60 +114,6 @@ def test_wan_on_the_fly_render_precompute_and_train_from_shards(tmp_path: Path) 
     assert len(_losses(tmp_path / "shards")) == 2
 
 
-@pytest.mark.multiprocess
-def test_wan_fsdp_two_ranks_sharded_text_encoder_trains_and_exports(tmp_path: Path) -> None:
-    """`torchrun` 2 CPU ranks (batch 2 each), FSDP2, `frozen_encoders: shard` (umT5 FSDP2-sharded,
-    encoding on the fly) against 1 process (batch 4): the losses are equal, and the export is
-    Wan's diffusers layout (the family's own writer, not a twin rebuilt from the class) with the
-    1-process run's trained weights and its frozen encoders whole (bit for bit); it loads
-    strictly."""
-    import torch
-    from e2e_helpers import run_cli
-    from safetensors.torch import load_file
-
-    from lmms_models import get_model_spec
-
-    proc = f"model_config.processor_path={tmp_path / 'processor'}"
-    args = ["trainer_args.max_steps=2", "trainer_args.ema_decay=0.5",
-            "trainer_args.save_steps=0", "trainer_args.report_to=[]", "trainer_args.eval_steps=0",
-            f"dataset_config.dataset_path={tmp_path / 'data'}",
-            "dataset_config.generate_synthetic.num_samples=32", proc]  # fmt: skip
-    runs = {}
-    for name, nproc, extra in (("one", 1, ["dataset_config.extra.batch_size=4"]),
-                               ("two", 2, ["dataset_config.extra.batch_size=2",
-                                           "trainer_args.fsdp=true",
-                                           "trainer_args.frozen_encoders=shard"])):  # fmt: skip
-        out = tmp_path / name
-        res = run_cli([str(EXAMPLES / "wan" / "tiny_cpu.yaml"), *args,
-                       f"trainer_args.output_dir={out}", *extra], nproc=nproc)  # fmt: skip
-        assert res.returncode == 0, res.stderr[-3000:]
-        assert len(_losses(out)) == 2
-        runs[name] = out / "hf"
-    want, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")  # same global batch of 4
-    assert got.keys() == want.keys()
-    assert all(got[k] == pytest.approx(want[k], rel=1e-5) for k in want), (got, want)
-    for part in ("text_encoder", "vae"):
-        (a,) = sorted((runs["one"] / part).glob("*.safetensors"))
-        (b,) = sorted((runs["two"] / part).glob("*.safetensors"))
-        wa, wb = load_file(str(a)), load_file(str(b))
-        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), part
-    one = load_file(str(runs["one"] / "diffusion_pytorch_model.safetensors"))
-    two = load_file(str(runs["two"] / "diffusion_pytorch_model.safetensors"))
-    assert one.keys() == two.keys()
-    assert all(one[k].shape == two[k].shape for k in one)
-    for k in one:  # the exported trained weights are the 1-process run's
-        torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=1e-6)
-    get_model_spec("wan").build(pretrained=str(runs["two"]))  # strict load, encoders attached
-    # EMA (optimizer state, so FSDP2-sharded on 2 ranks) exported whole: the 1-process EMA, and
-    # not the trained weights (decay 0.5 over 2 steps keeps a share of the initial weights)
-    ema = {n: load_file(str(tmp_path / n / "hf_ema" / "diffusion_pytorch_model.safetensors"))
-           for n in ("one", "two")}  # fmt: skip
-    assert ema["one"].keys() == one.keys() == ema["two"].keys()
-    for k in one:
-        torch.testing.assert_close(ema["two"][k], ema["one"][k], rtol=1e-5, atol=1e-6)
-    assert any(not torch.allclose(ema["one"][k], one[k]) for k in one)
-
-
 def test_frozen_encoders_are_checked_before_training(tmp_path: Path, capsys) -> None:
     """`frozen_encoders: shard` on one process without FSDP, or any placement on a family without
     a placeable encoder (sit: its VAE only), is a config error naming the key (before any step)."""
@@ -189,28 +135,8 @@ def test_frozen_encoders_are_checked_before_training(tmp_path: Path, capsys) -> 
 
 
 # ---------------------------------------------------------------- BAGEL (ce_flow_matching)
-def _bagel_args(tmp: Path, out: str, *extra: str) -> list[str]:
-    return [f"dataset_config.dataset_path={tmp / 'data'}",
-            "dataset_config.generate_synthetic.num_samples=64", "dataset_config.packing_length=256",
-            f"model_config.processor_path={tmp / 'processor'}", f"trainer_args.output_dir={tmp / out}",
-            "trainer_args.report_to=[]", "trainer_args.eval_steps=0", "trainer_args.ema_decay=0.9",
-            "trainer_args.device=cpu", *extra]  # fmt: skip
-
-
 def _rows(run: Path) -> dict[int, dict]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "loss" in r}
-
-
-@pytest.fixture(scope="module")
-def bagel_straight(tmp_path_factory) -> Path:
-    """examples/bagel/tiny_cpu.yaml, 3 straight steps of 2 micro-batches from 2 loader workers
-    (the packs 2 DP ranks with no workers see), exported with its EMA."""
-    tmp = tmp_path_factory.mktemp("bagel")
-    train(load_config(EXAMPLES / "bagel" / "tiny_cpu.yaml", _bagel_args(tmp, "straight",
-          "trainer_args.max_steps=3", "trainer_args.save_steps=0",
-          "trainer_args.gradient_accumulation_steps=2", "dataset_config.num_workers=2")))  # fmt: skip
-    return tmp
+    return {r["step"]: r for r in step_rows(run)}
 
 
 def test_bagel_resume_is_bitwise_with_ema_and_render_draws_png(
@@ -228,10 +154,10 @@ def test_bagel_resume_is_bitwise_with_ema_and_render_draws_png(
 
     tmp = bagel_straight
     common = ("trainer_args.gradient_accumulation_steps=2", "dataset_config.num_workers=2")
-    train(load_config(EXAMPLES / "bagel" / "tiny_cpu.yaml", _bagel_args(tmp, "resumed",
+    train(load_config(EXAMPLES / "bagel" / "tiny_cpu.yaml", bagel_args(tmp, "resumed",
           "trainer_args.max_steps=1", "trainer_args.save_steps=1", "trainer_args.export_hf=false",
           *common)))  # fmt: skip
-    train(load_config(EXAMPLES / "bagel" / "tiny_cpu.yaml", _bagel_args(tmp, "resumed",
+    train(load_config(EXAMPLES / "bagel" / "tiny_cpu.yaml", bagel_args(tmp, "resumed",
           "trainer_args.max_steps=3", "trainer_args.resume_from=latest", *common)))  # fmt: skip
     straight, resumed = _rows(tmp / "straight"), _rows(tmp / "resumed")
     for step in (2, 3):
@@ -254,30 +180,11 @@ def test_bagel_resume_is_bitwise_with_ema_and_render_draws_png(
     assert img.size == (2 * 32 * 4, 32 * 4)  # two 32 x 32 tiles, upscaled x4
     assert np.asarray(img).std() > 0  # not a blank canvas
     capsys.readouterr()
-    args = _bagel_args(tmp, "unused")
+    args = bagel_args(tmp, "unused")
     assert main(["check-data", str(EXAMPLES / "bagel" / "tiny_cpu.yaml"), *args,
                  "--num-records", "20"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "20 good, 0 bad" in out and "<|vision_start|>" in out, out
-
-
-@pytest.mark.multiprocess
-def test_bagel_fsdp_two_ranks_equal_one_process(bagel_straight: Path) -> None:
-    """`torchrun` 2 CPU ranks (FSDP2 per MoT layer and ViT block, weights initialised on rank 0
-    and broadcast into the shards, one pack each) == the 1-process run's 2 micro-batches: the
-    loss and both terms over 2 steps."""
-    from e2e_helpers import run_cli
-
-    tmp = bagel_straight
-    res = run_cli([str(EXAMPLES / "bagel" / "tiny_cpu.yaml"), *_bagel_args(tmp, "fsdp",
-                   "trainer_args.max_steps=2", "trainer_args.save_steps=0",
-                   "trainer_args.export_hf=false", "trainer_args.fsdp=true",
-                   "dataset_config.num_workers=0")], nproc=2)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    want, got = _rows(tmp / "straight"), _rows(tmp / "fsdp")
-    for step in (1, 2):
-        for key in ("loss", "ce", "fm"):
-            assert got[step][key] == pytest.approx(want[step][key], rel=2e-5), (step, key)
 
 
 @pytest.mark.gpu
@@ -286,7 +193,7 @@ def test_bagel_trains_on_the_gpu_like_on_the_cpu(bagel_straight: Path) -> None:
     trainer's GPU path) follows the CPU run's losses over its 3 steps (fp32; kernels differ)."""
     tmp = bagel_straight
     train(load_config(EXAMPLES / "bagel" / "tiny_cpu.yaml", [
-        *_bagel_args(tmp, "gpu", "trainer_args.max_steps=3", "trainer_args.save_steps=0",
+        *bagel_args(tmp, "gpu", "trainer_args.max_steps=3", "trainer_args.save_steps=0",
                      "trainer_args.gradient_accumulation_steps=2", "dataset_config.num_workers=2",
                      "trainer_args.export_hf=false"),
         "trainer_args.device=cuda",

@@ -3,7 +3,8 @@
 The processor's placeholder counts equal the model's own feature layout (upstream's
 ``pack_image_features``) over sizes and aspect ratios; the tiny processor matches the tiny model
 config; and a pack of processed records (single image, multi-image, video, text) gives the packed
-forward the same loss and gradients as the upstream model on each record alone.
+forward the same loss and gradients as the upstream model on each record alone. (FSDP2 and SP 2
+through the CLI: tests/test_cli_layouts.py.)
 """
 
 from __future__ import annotations
@@ -105,49 +106,6 @@ def test_processed_pack_matches_upstream_per_record(setup, tmp_path):
     for k, g in g_ref.items():
         torch.testing.assert_close(model.get_parameter(k).grad, g, rtol=1e-4, atol=1e-6, msg=k)
     model.zero_grad(set_to_none=True)
-
-
-@pytest.mark.multiprocess
-def test_fsdp2_and_sp2_match_one_process(tmp_path):
-    """The tiny example through the CLI: FSDP2 over 2 gloo ranks and Ulysses SP 2 give the losses
-    of one process (same packs: 2 loader workers and 2 micro-batches there, see
-    tests/test_multiprocess.py); packs without media keep the tower's collectives in step
-    (the projector and newline included: ``vision_participation_outputs``)."""
-    import yaml
-    from e2e_helpers import REPO, run_cli, write_config
-
-    from lmms_train._metrics import read_jsonl
-
-    cfg = yaml.safe_load((REPO / "examples/llava_onevision/tiny_cpu.yaml").read_text())
-    cfg["model_config"]["processor_path"] = str(tmp_path / "processor")
-    d = cfg["dataset_config"]
-    d.update(dataset_path=str(tmp_path / "data"), packing_length=384, num_workers=2)
-    d["generate_synthetic"] = {"num_samples": 64}
-    t = cfg["trainer_args"]
-    t.update(output_dir=str(tmp_path / "ref"), max_steps=2, gradient_accumulation_steps=2,
-             save_steps=0, eval_steps=0, report_to=[], save_final=False)  # fmt: skip
-    path = write_config(cfg, tmp_path / "ref.yaml")
-    ref = run_cli([str(path)])
-    assert ref.returncode == 0, ref.stderr[-3000:]
-
-    def losses(name):
-        return [r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")]
-
-    expected = losses("ref")
-    assert len(expected) == 2
-    layouts = {
-        "fsdp": ["trainer_args.gradient_accumulation_steps=1", "dataset_config.num_workers=0"],
-        "sp": ["trainer_args.sp_ulysses_degree=2"],
-    }
-    for name, extra in layouts.items():
-        run = run_cli([str(path), f"trainer_args.output_dir={tmp_path / name}", *extra], nproc=2)
-        assert run.returncode == 0, (name, run.stderr[-3000:])
-        assert losses(name) == pytest.approx(expected, rel=2e-5, abs=1e-6), name
-        rows = [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "loss" in r]
-        imbalance = [r["perf/vision_flops_imbalance"] for r in rows]
-        assert all(x >= 1.0 for x in imbalance), imbalance  # max / mean over the DP ranks
-        if name == "sp":  # one DP rank: nothing to balance
-            assert imbalance == [1.0] * len(rows)
 
 
 def test_vision_imbalance_is_max_over_mean():
