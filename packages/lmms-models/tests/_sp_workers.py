@@ -4,11 +4,7 @@ every scenario; results go to per-rank JSON files the tests read."""
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-from datetime import timedelta
-from pathlib import Path
+import functools
 from typing import Any
 
 import torch
@@ -16,6 +12,7 @@ import torch.distributed as dist
 from test_packed_parity import MEDIA_FAMILIES, tiny_pack
 
 import lmms_parallel as lp
+from lmms_parallel.testing import run_cases
 
 #: (family, scenario name, spec attributes set for the run). "split": each SP rank encodes its
 #: FLOPs-balanced share of the pack's images/frames (lmms_models.SplitVision); "split_few": a pack
@@ -132,23 +129,10 @@ def lora_fsdp(pair: Any) -> dict[str, Any]:
     }
 
 
-def run(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=240))
+def run(rank: int, world: int) -> dict[str, Any]:
+    """Every scenario on this rank (lmms_parallel.testing.spawn_ranks runs it)."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
-    results: dict[str, Any] = {}
-    try:
-        for name, label, attrs in SCENARIOS:
-            try:
-                results[f"{name}/{label}"] = scenario(name, label, attrs, groups)
-            except Exception:
-                results[f"{name}/{label}"] = {"error": traceback.format_exc()}
-        try:
-            results["lora_fsdp"] = lora_fsdp(pairs[rank // 2])
-        except Exception:
-            results["lora_fsdp"] = {"error": traceback.format_exc()}
-    finally:
-        Path(out_dir, f"sp_rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+    cases = [(f"{name}/{label}", functools.partial(scenario, name, label, attrs, groups))
+             for name, label, attrs in SCENARIOS]  # fmt: skip
+    return run_cases([*cases, ("lora_fsdp", lambda: lora_fsdp(pairs[rank // 2]))])

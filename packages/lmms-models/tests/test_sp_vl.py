@@ -9,8 +9,6 @@ gradients still equal SP 1. One 4-process spawn runs every scenario (see _sp_wor
 
 from __future__ import annotations
 
-import json
-import socket
 import sys
 from pathlib import Path
 
@@ -20,22 +18,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import _sp_workers
 
+from lmms_parallel.testing import spawn_ranks
+
 pytestmark = pytest.mark.multiprocess
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("sp_vl")
-    mp.spawn(_sp_workers.run, args=(4, _port(), str(out)), nprocs=4, join=True)
-    return [json.loads((out / f"sp_rank{r}.json").read_text()) for r in range(4)]
+def results() -> list[dict]:
+    return spawn_ranks(_sp_workers.run, 4)
 
 
 @pytest.mark.parametrize("case", [f"{n}/{label}" for n, label, _ in _sp_workers.SCENARIOS])
