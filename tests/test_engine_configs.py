@@ -11,6 +11,7 @@ Tiny overrides (command-line keys after the config): `trainer_args.max_steps` of
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -188,8 +189,10 @@ def test_qwen3_vl_example_config_shape(tmp_path, capsys):
 def test_llava_video_qwen2_shape_runs_its_epochs(tmp_path, capsys):
     """llava_video_qwen2_7b.yaml: model_type llava_onevision with torch_dtype bfloat16,
     torch_compile_backend inductor, LLaVA-Video's dataset type, extra_kwargs and slow-fast
-    switches, and `num_train_epochs: 1` with `max_steps: -1`: the run ends after one pass over
-    the data (8 records, 2 micro-batches a step: 4 steps), with its final checkpoint."""
+    switches, and `num_train_epochs: 1` with `max_steps: -1`: the run ends after the last pass
+    over the data (here 2 passes, `dataset_config.num_epochs=2` on the command line: 8 records, 2
+    micro-batches a step, 8 steps), with its final checkpoint; after the first pass the console
+    estimates the run's length from it."""
     from lmms_data import generate_synthetic_vl
 
     model, proc = _tiny_folder(tmp_path, "llava_onevision", "llava_onevision")
@@ -252,12 +255,17 @@ def test_llava_video_qwen2_shape_runs_its_epochs(tmp_path, capsys):
     assert conv.config["trainer_args"]["max_steps"] == -1
     assert conv.config["dataset_config"]["num_epochs"] == 1
     err = _train(path, "trainer_args.compile=false", "dataset_config.packing_length=4096",
-                 "dataset_config.shuffle=false", capsys=capsys)  # fmt: skip
+                 "dataset_config.shuffle=false", "dataset_config.num_epochs=2",
+                 "trainer_args.report_to=[console]", capsys=capsys)  # fmt: skip
     rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2, 3, 4], err[-2000:]
-    assert sum(r["samples"] for r in rows) == 8  # every record once
-    assert "pass(es) ended after step 4" in err
-    assert (tmp_path / "out" / "checkpoints" / "step_000004" / "COMPLETE").is_file()
+    assert [r["step"] for r in rows] == list(range(1, 9)), err[-2000:]
+    assert sum(r["samples"] for r in rows) == 16  # every record twice
+    assert "pass(es) ended after step 8" in err
+    first = re.search(r"the first pass over the data took (\d+) steps: about (\d+) steps", err)
+    assert (
+        first and 4 <= int(first.group(1)) <= 5 and int(first.group(2)) == 2 * int(first.group(1))
+    ), err[-3000:]
+    assert (tmp_path / "out" / "checkpoints" / "step_000008" / "COMPLETE").is_file()
 
 
 def test_dllm_train_example_shape(tmp_path, capsys):

@@ -226,6 +226,16 @@ class TrainData:
     def bad_records(self) -> int:
         return int(self.loader.metrics().get("records_bad", 0))
 
+    def passes_done(self) -> int:
+        """Passes over the data this rank's loader has finished (the fewest of its workers'
+        and sources'; 0 until every worker has made a batch)."""
+        state = self.loader.state_dict()
+        workers = state.get("workers", {})
+        if len(workers) < max(1, int(state.get("num_workers") or 1)):
+            return 0
+        epochs = [s["epoch"] for w in workers.values() for s in w.get("sources", [])]
+        return min(epochs, default=0)
+
 
 def _check_inputs(cfg: TrainConfig, spec: Any, dcfg: Any) -> None:
     from lmms_data import PROCESSOR_REGISTRY

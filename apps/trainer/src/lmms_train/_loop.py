@@ -381,6 +381,8 @@ def train_loop(run: Run) -> dict[str, Any]:
                 host["flops_all_rows"] = per_sp["flops_lm"] + per_sp["flops_vision"]
             if run.guard.policy == "skip":  # steps whose update was dropped, so far
                 host["skipped_steps"] = run.guard.skipped
+            if t.max_steps < 0:  # passes over the data ended so far: the console's ETA
+                host["data_passes"] = run.data.passes_done()
             if t.compile:  # a rise after the first steps is a recompile mid-run
                 graphs = lmms_kernels.compile_counts()["graphs"]
                 host["compile/graphs"] = graphs

@@ -79,9 +79,12 @@ class ConsoleSink:
 
     KEYS = ("loss", "ce", "fm", "lr", "grad_norm", "tokens_per_sec", "mfu")  # ce/fm: bagel's terms
 
-    def __init__(self, total: int, initial: int = 0, every: int = 1) -> None:
+    def __init__(
+        self, total: int, initial: int = 0, every: int = 1, passes: int | None = None
+    ) -> None:
         self.every = max(1, every)
         self.total = total
+        self.passes = passes  # max_steps: -1: the run's passes over the data
         self.initial = initial
         self.started = time.perf_counter()
         self._bar = None
@@ -118,10 +121,23 @@ class ConsoleSink:
         done = step - self.initial
         if self.total <= 0:  # max_steps: -1: the run ends with the data
             return f"elapsed {duration(elapsed)}"
-        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
+        eta = elapsed / done * max(0, self.total - step) if done > 0 else float("nan")
         return f"elapsed {duration(elapsed)} eta {duration(eta)}"
 
+    def _estimate(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """`max_steps: -1`: once the first pass over the data has ended, the run's length is
+        estimated as `passes` x the steps that pass took (the ETA counts down to it)."""
+        if self.total <= 0 and self.passes and metrics.get("data_passes", 0) >= 1:
+            self.total = self.passes * step
+            print(
+                f"[lmms-train] the first pass over the data took {step:,} steps: about "
+                f"{self.total:,} steps for {self.passes} pass(es)",
+                file=sys.stderr,
+                flush=True,
+            )
+
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self._estimate(step, metrics)
         shown = {k: _clean(metrics[k]) for k in self.KEYS if k in metrics}
         if self._bar is not None:
             self._bar.update(step - self._bar.n)

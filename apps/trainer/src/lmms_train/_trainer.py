@@ -124,7 +124,8 @@ def _sinks(cfg: TrainConfig, out: Path, resume_step: int | None) -> MetricsLogge
     t = cfg.trainer_args
     sinks: list[Any] = [JsonlSink(out / "metrics.jsonl", resume_step=resume_step)]
     if "console" in t.report_to:
-        sinks.append(ConsoleSink(t.max_steps, initial=resume_step or 0, every=t.logging_steps))
+        sinks.append(ConsoleSink(t.max_steps, initial=resume_step or 0, every=t.logging_steps,
+                                 passes=cfg.dataset_config.num_epochs))  # fmt: skip
     if "wandb" in t.report_to:
         sinks.append(
             WandbSink(
