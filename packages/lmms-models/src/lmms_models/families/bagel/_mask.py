@@ -141,8 +141,15 @@ def span_attention(
         backend = "flex" if q.device.type == "cuda" else "sdpa"
     if backend == "flex":
         qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, T, D]
-        fn = _flex_fn(q.device.type == "cuda")
-        out = fn(qt, kt, vt, block_mask=layout.block_mask(q.shape[1]), enable_gqa=rep > 1)
+        compiled = q.device.type == "cuda"
+        # a row under 128 tokens would go to Inductor's flex-decoding template, which had no
+        # kernel for the tiny model's shapes (torch 2.11, H100: NoValidChoicesError); the main
+        # kernel takes every row (training rows are packing_length long and took it already)
+        opts = {"FORCE_USE_FLEX_ATTENTION": True} if compiled else None
+        out = _flex_fn(compiled)(
+            qt, kt, vt, block_mask=layout.block_mask(q.shape[1]), enable_gqa=rep > 1,
+            kernel_options=opts,
+        )  # fmt: skip
         return out[0].transpose(0, 1)
     if backend != "sdpa":
         raise ValueError(f"bagel attention backend {backend!r}: choose sdpa, flex or auto")
