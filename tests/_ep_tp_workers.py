@@ -142,7 +142,7 @@ def _parallel_model(
     if tp > 1:
         spec.check_tp(model.config, tp)
         plan = spec.tp_sp_plan if tp_sp else spec.tp_plan  # tp_sp: sequence-parallel norms
-        lp.apply_tp(spec.plan_root(model), plan, lp.tp_mesh(mesh))
+        lp.apply_tp(spec.plan_root(model), plan, lp.tp_mesh(mesh), styles=spec.plan_styles())
         lp.apply_tp(model, spec.tp_head_plan, lp.tp_mesh(mesh))  # vocab-parallel head and loss
     if ep > 1:
         em = lp.expert_meshes(mesh, ep)

@@ -1,4 +1,4 @@
-"""A worker scenario of test_ep_tp.py (2-rank spawn): lmms_parallel's ``sp_deepstack`` TP style
+"""A worker scenario of test_ep_tp.py (2-rank spawn): Qwen3-VL's own ``sp_deepstack`` TP style
 on its own, in both forms Qwen3-VL's decoder hands it, against upstream's ``_deepstack_process``
 on the whole sequence."""
 
@@ -33,7 +33,11 @@ def sp_deepstack_forms(_out: Path) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     text = Text()
-    names = lp.apply_tp(text, {"layers.0": "sp_scatter_input", "": "sp_deepstack"}, mesh)
+    from lmms_models import get_model_spec
+
+    styles = get_model_spec("qwen3_vl").plan_styles()  # the family's own style
+    plan = {"layers.0": "sp_scatter_input", "": "sp_deepstack"}
+    names = lp.apply_tp(text, plan, mesh, styles=styles)
     lo, hi = (0, 19) if dist.get_rank() == 0 else (19, 37)
     gen = torch.Generator().manual_seed(5)
     t, h = 37, 8

@@ -389,7 +389,7 @@ def _apply_plans(
                     "plan (spec.tp_sp_plan); set it to false"
                 )
             plan = spec.tp_sp_plan
-        apply_tp(spec.plan_root(model), plan, tp_mesh(env.mesh))
+        apply_tp(spec.plan_root(model), plan, tp_mesh(env.mesh), styles=spec.plan_styles())
         head = spec.lm_head(model)
         tied = head.weight is spec.embeddings(model)[0].weight
         if objective == "causal_lm" and spec.tp_head_plan and not tied:

@@ -504,6 +504,12 @@ class ModelSpec:
         """The module the TP and EP plans' patterns are relative to: the text decoder."""
         return self.text_model(model)
 
+    def plan_styles(self) -> dict[str, Callable[[Any], Any]]:
+        """TP styles this family's plans name besides lmms-parallel's registered ones:
+        ``{name: factory(tp_mesh) -> style}`` (a style with ``apply(module)``), handed to
+        ``lmms_parallel.apply_tp(..., styles=)`` (default: none)."""
+        return {}
+
     def check_tp(self, config: Any, tp: int) -> None:
         """Raise (at start-up) unless this family's TP plan runs at degree ``tp``."""
         if not self.tp_plan:

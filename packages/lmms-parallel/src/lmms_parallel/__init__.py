@@ -23,6 +23,7 @@ from lmms_parallel._meta import load_full_state_dict, materialize, meta_init, re
 from lmms_parallel._norm import clip_grad_norm_
 from lmms_parallel._plans import apply_ep, apply_tp, match_plan, register_style, registered_styles
 from lmms_parallel._tp import SumGradOverGroup
+from lmms_parallel._tp_sp import seq_rows, sum_grad
 from lmms_parallel._ulysses import (
     SequenceParallel,
     UlyssesAttention,
@@ -75,12 +76,14 @@ __all__ = [
     "read_safetensors",
     "register_style",
     "registered_styles",
+    "seq_rows",
     "sp_group",
     "sp_pad_len",
     "sp_reduce_loss",
     "sp_shard_labels",
     "split_contiguous",
     "split_imbalance",
+    "sum_grad",
     "tp_mesh",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_shard",

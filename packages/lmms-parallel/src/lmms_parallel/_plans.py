@@ -10,14 +10,15 @@ Patterns are ``fnmatch`` patterns over module names relative to the module the p
 (the text decoder for both plans above); the empty pattern ``""`` names that module itself (its
 name in ``named_modules()``); every pattern must match at least one module. Styles are
 looked up in a registry (:func:`register_style`): a new family adds a plan, a new *kind* of layer
-adds a style. Built in:
+adds a style; a style that only one family's layers need is the family's own, handed in with its
+plan (``apply_tp(..., styles=)``: lmms_models' ``ModelSpec.plan_styles``). Built in:
 
 * TP (on the ``tp`` mesh dim): ``colwise``, ``rowwise`` (torch DTensor, local outputs),
   ``sum_grad`` (replicated module on local activations: gradient summed over TP) and
   ``vocab_parallel`` (the LM head's rows split over TP; the loss reads the local rows:
   :func:`lmms_parallel.vocab_parallel_cross_entropy`, never ``[T, vocab]``), and for sequence
   parallelism inside TP (``tp_sequence_parallel``, lmms_parallel._tp_sp) ``rowwise_sp``,
-  ``sp_scatter_input``, ``sp_gather_input``, ``sp_gather_output``, ``sp_deepstack``;
+  ``sp_scatter_input``, ``sp_gather_input``, ``sp_gather_output``;
 * EP (on the EP group): ``experts`` (transformers' 3-D experts: local slice + all-to-all).
 
 Order (STYLE.md #3): TP/EP, then activation checkpointing, compile, FSDP2; from the meta device:
@@ -42,7 +43,6 @@ from ._tp_sp import (
     SeqGatherInput,
     SeqGatherOutput,
     SeqScatterInput,
-    SeqShardedDeepstack,
     rowwise_sp_style,
 )
 from ._vocab_parallel import VocabParallelHead
@@ -81,7 +81,6 @@ register_style("tp", "rowwise_sp")(lambda mesh: rowwise_sp_style())
 register_style("tp", "sp_scatter_input")(lambda mesh: SeqScatterInput(mesh.get_group()))
 register_style("tp", "sp_gather_input")(lambda mesh: SeqGatherInput(mesh.get_group()))
 register_style("tp", "sp_gather_output")(lambda mesh: SeqGatherOutput(mesh.get_group()))
-register_style("tp", "sp_deepstack")(lambda mesh: SeqShardedDeepstack(mesh.get_group()))
 register_style("ep", "experts")(lambda group: ExpertParallel(group))
 
 
@@ -104,25 +103,35 @@ def match_plan(root: nn.Module, plan: Mapping[str, str]) -> list[tuple[str, nn.M
     return out
 
 
-def _style(kind: str, name: str, arg: Any) -> Any:
-    if name not in _STYLES[kind]:
-        raise KeyError(
-            f"unknown {kind} style {name!r}; registered: {', '.join(registered_styles(kind))}"
-        )
-    return _STYLES[kind][name](arg)
+def _style(
+    kind: str, name: str, arg: Any, extra: Mapping[str, Callable[[Any], Any]] | None = None
+) -> Any:
+    known = {**_STYLES[kind], **(extra or {})}
+    if name not in known:
+        raise KeyError(f"unknown {kind} style {name!r}; registered: {', '.join(sorted(known))}")
+    return known[name](arg)
 
 
-def apply_tp(root: nn.Module, plan: Mapping[str, str], tp_mesh: DeviceMesh) -> list[str]:
+def apply_tp(
+    root: nn.Module,
+    plan: Mapping[str, str],
+    tp_mesh: DeviceMesh,
+    *,
+    styles: Mapping[str, Callable[[Any], Any]] | None = None,
+) -> list[str]:
     """Tensor parallelism from ``plan`` on the 1-D ``tp_mesh``; returns the modules' names.
 
-    Column/row-wise Linears must divide evenly (checked here, with the module named)."""
+    ``styles``: ``{name: factory(tp_mesh) -> style}`` the plan may name besides the registered
+    ones (a model family's own, e.g. lmms_models' ``ModelSpec.plan_styles()``); a style object
+    either is a DTensor ``ParallelStyle`` or has ``apply(module)``. Column/row-wise Linears must
+    divide evenly (checked here, with the module named)."""
     from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
     tp = tp_mesh.size()
     dtensor_plan: dict[str, Any] = {}
     names = []
     for name, module, style in match_plan(root, plan):
-        obj = _style("tp", style, tp_mesh)
+        obj = _style("tp", style, tp_mesh, styles)
         if isinstance(obj, ParallelStyle):
             if isinstance(module, nn.Linear):
                 dim = module.out_features if style == "colwise" else module.in_features

@@ -18,9 +18,9 @@ bounds: ``ceil(T/tp)`` per rank, the last ones shorter or empty, as DTensor's ``
   output all-gathered to ``[1, T, H]`` for the loss, backward takes this rank's rows (the loss
   runs whole on every rank, the vocab-parallel one sums the hidden state's gradient over TP:
   no second reduction);
-* ``sp_deepstack`` (on a Qwen3-VL text decoder, the plan's root): its deepstack additions after
-  the first layers take only the visual positions inside this rank's rows
-  (:class:`SeqShardedDeepstack`).
+* a family's own style on the split stream (``apply_tp(..., styles=)``, e.g. lmms_models'
+  Qwen3-VL ``sp_deepstack``) finds this rank's rows with :func:`seq_rows` and sums the gradient
+  of a replicated input with :func:`sum_grad`.
 
 Attention still sees the whole sequence with the full-length rotary tables and ``cu_seqlens``
 the decoder computed (only the hidden states are split), so packing is unchanged. Activation
@@ -40,8 +40,9 @@ __all__ = [
     "SeqGatherInput",
     "SeqGatherOutput",
     "SeqScatterInput",
-    "SeqShardedDeepstack",
     "rowwise_sp_style",
+    "seq_rows",
+    "sum_grad",
 ]
 
 
@@ -191,67 +192,15 @@ def rowwise_sp_style() -> Any:
     return RowwiseParallel(output_layouts=Shard(1), use_local_output=True)
 
 
-class SeqShardedDeepstack:
-    """``sp_deepstack`` (on a Qwen3-VL-style text decoder: the plan's root, pattern ``""``).
+def seq_rows(group: Any) -> tuple[int, int]:
+    """This rank's rows ``[lo, hi)`` of the sequence the plan's ``sp_scatter_input`` split over
+    ``group`` (for a family's own sequence-parallel style, e.g. lmms_models' ``sp_deepstack``)."""
+    return _bounds(_seq_len(group), dist.get_world_size(group), dist.get_rank(group))
 
-    The decoder adds deepstack features to its hidden states after its first layers
-    (``self._deepstack_process(hidden, where, embeds)`` in upstream's layer loop), at the visual
-    positions of the whole row. Under this plan the residual stream is already split there
-    (``sp_scatter_input`` on layer 0, ``rowwise_sp`` outputs): ``hidden`` is ``[1, T_r, H]``,
-    this rank's rows ``[lo, hi)``. This style sets the instance's ``_deepstack_process`` to one
-    that adds only the features of visual positions inside ``[lo, hi)``, at their local rows:
 
-    * ``where`` a boolean ``[B, T]`` mask (upstream's merge): its columns ``[lo, hi)`` and the
-      matching rows of ``embeds`` (mask order), handed to upstream's own method;
-    * ``where`` ``[N]`` long positions (lmms_models' host merge, ``takes_positions``): added by
-      ``index_add`` into a spare-row buffer (positions outside ``[lo, hi)`` land in the spare row),
-      so no position is read on the host; the same single addition per visual row as upstream.
+def sum_grad(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` through an identity whose backward sums the gradient over ``group`` (a replicated
+    input that each rank uses on its own rows)."""
+    from ._tp import _SumGrad
 
-    ``embeds`` are replicated on the TP group (the vision tower is): each rank's backward fills
-    its rows' gradient, the identity in front of the slicing sums it over TP (``sum_grad``), so
-    the tower gets the whole gradient on every rank, as the embeddings get it through
-    ``sp_scatter_input``.
-    """
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def apply(self, module: nn.Module) -> nn.Module:
-        upstream = getattr(type(module), "_deepstack_process", None)
-        if upstream is None:
-            raise TypeError(
-                f"'sp_deepstack' on {type(module).__name__}: it has no _deepstack_process "
-                "(Qwen3-VL's deepstack); the style applies to such a text decoder"
-            )
-        group = self.group
-
-        def process(
-            hidden: torch.Tensor, where: torch.Tensor, embeds: torch.Tensor
-        ) -> torch.Tensor:
-            from ._tp import _SumGrad
-
-            lo, hi = _bounds(_seq_len(group), dist.get_world_size(group), dist.get_rank(group))
-            if hidden.shape[1] != hi - lo:
-                raise RuntimeError(
-                    f"sp_deepstack: hidden states of {hidden.shape[1]} rows, this rank's slice of "
-                    f"the sequence has {hi - lo}: the residual stream is not split as the plan's "
-                    "sp_scatter_input split it"
-                )
-            embeds = _SumGrad.apply(embeds.to(hidden.device, hidden.dtype), group)  # [N, H]
-            where = where.to(hidden.device)
-            if where.dtype == torch.bool:  # [B, T]: row-major mask order of embeds
-                order = (where.reshape(-1).cumsum(0) - 1).view_as(where)  # [B, T]
-                local = where[:, lo:hi]
-                rows = embeds.index_select(0, order[:, lo:hi][local])  # [n, H] (host read)
-                return upstream(module, hidden, local, rows)
-            # where [N] positions in the row, hidden [1, T_r, H]; outside [lo, hi) -> spare row
-            n = hi - lo
-            inside = (where >= lo) & (where < hi)
-            idx = torch.where(inside, where - lo, torch.full_like(where, n))  # [N]
-            buf = hidden.new_zeros(hidden.shape[0], n + 1, hidden.shape[2])
-            return hidden + buf.index_add(1, idx, embeds[None])[:, :n]
-
-        # lmms_models' deepstack_by_index leaves an adder so marked in place (it takes positions)
-        process.takes_positions = True  # type: ignore[attr-defined]
-        module._deepstack_process = process  # type: ignore[method-assign]
-        return module
+    return _SumGrad.apply(x, group)

@@ -191,6 +191,12 @@ class Qwen3VLSpec(QwenVLSpec):
     mrope_rows_only = True  # its text model's mask preparation reads the text row on the host
     host_merge = True  # deepstack too: media_extras + deepstack_by_index
 
+    def plan_styles(self) -> dict[str, Any]:
+        """``sp_deepstack`` (``tp_sp_plan``): deepstack added on each rank's rows."""
+        from ._tp_sp import SeqShardedDeepstack
+
+        return {"sp_deepstack": lambda mesh: SeqShardedDeepstack(mesh.get_group())}
+
     def media_extras(
         self, model: nn.Module, placed: list[tuple[torch.Tensor, Any]], embeds: torch.Tensor
     ) -> dict[str, Any]:
