@@ -48,6 +48,7 @@ def _sp_case() -> dict[str, Any]:
     ref_loss, _, ref = cases.loss_grads(spec, model, batch, 10.0)
     obj = get_objective("ce_flow_matching", ce_weight=1.0, fm_weight=2.0)
     model.zero_grad(set_to_none=True)
+    spec.install_sp(model, dist.group.WORLD)  # what lmms-train's forward installs under SP
     out = obj.loss(spec, model, batch, ObjectiveContext(seed=3, sp_group=dist.group.WORLD))
     (out.loss_sum / 10.0).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}

@@ -99,7 +99,7 @@ class MixedGeneration(Protocol):
 
     def mixed_forward(
         self, model: nn.Module, batch: dict[str, Any], tokens: torch.Tensor | None,
-        time: torch.Tensor | None, loss_backend: str = "auto", sp_group: Any = None,
+        time: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...  # fmt: skip
 
 

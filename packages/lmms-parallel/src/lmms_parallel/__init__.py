@@ -22,6 +22,7 @@ from lmms_parallel._mesh import (
 from lmms_parallel._meta import load_full_state_dict, materialize, meta_init, read_safetensors
 from lmms_parallel._norm import clip_grad_norm_
 from lmms_parallel._plans import apply_ep, apply_tp, match_plan, register_style, registered_styles
+from lmms_parallel._row_sp import RowSequenceParallel, gather_row_slices, slice_row
 from lmms_parallel._tp import SumGradOverGroup
 from lmms_parallel._tp_sp import seq_rows, sum_grad
 from lmms_parallel._ulysses import (
@@ -48,6 +49,7 @@ __all__ = [
     "ExpertParallel",
     "MasterWeights",
     "ParallelDims",
+    "RowSequenceParallel",
     "SequenceParallel",
     "SumGradOverGroup",
     "UlyssesAttention",
@@ -68,6 +70,7 @@ __all__ = [
     "export_hf",
     "fsdp_mesh",
     "gather_full_state_dict",
+    "gather_row_slices",
     "gather_rows",
     "load_full_state_dict",
     "match_plan",
@@ -77,6 +80,7 @@ __all__ = [
     "register_style",
     "registered_styles",
     "seq_rows",
+    "slice_row",
     "sp_group",
     "sp_pad_len",
     "sp_reduce_loss",

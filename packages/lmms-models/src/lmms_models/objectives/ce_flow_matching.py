@@ -63,16 +63,20 @@ class CeFlowMatchingOptions:
 
 def mixed_terms(
     spec: Any, model: nn.Module, batch: dict[str, Any], cfg: fm.FlowMatchingConfig, seed: int,
-    loss_backend: str = "auto", sp_group: Any = None,
+    loss_backend: str = "auto",
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """``{ce_sum, ce_count, fm_sum, fm_count, per_image [n_noised], t [n_noised]}`` of one row.
 
     The spec (a :class:`lmms_models.MixedGeneration`) supplies ``prepare_row(model, row)``,
     ``latent_tokens(model, x [C, H, W]) -> [n, d]``,
     ``latent_image(model, tokens [n, d], like [C, H, W]) -> [C, H, W]`` and
-    ``mixed_forward(model, batch, tokens [Ng, d], time [Ng], loss_backend) ->
-    (ce_sum, ce_count, predictions [N_noised_tokens, d] or None)``.
+    ``mixed_forward(model, batch, tokens [Ng, d], time [Ng]) ->
+    (hidden [N_text, H], labels [N_text], predictions [N_noised_tokens, d] or None)`` (the
+    supervised text rows' hidden states: the cross-entropy through the spec's ``lm_head`` is
+    taken here, fused: ``[N, vocab]`` logits never exist).
     """
+    from lmms_kernels import fused_linear_cross_entropy
+
     batch = spec.prepare_row(model, batch)  # the row on the device, pixels encoded
     latents: list[torch.Tensor] = batch["vae_latents"]
     noised: list[bool] = batch["vae_noised"]
@@ -93,7 +97,11 @@ def mixed_terms(
                 times.append(torch.zeros(n_tok, device=dev))
     tok = torch.cat(tokens) if tokens else None
     tim = torch.cat(times) if times else None
-    ce_sum, ce_n, pred = spec.mixed_forward(model, batch, tok, tim, loss_backend, sp_group)
+    hidden, labels, pred = spec.mixed_forward(model, batch, tok, tim)
+    head = spec.lm_head(model)
+    ce_sum, ce_n = fused_linear_cross_entropy(
+        hidden, head.weight, labels, bias=head.bias, backend=loss_backend
+    )
     dev = ce_sum.device
     per_image, ts, fm_sum = [], [], torch.zeros((), device=dev)
     n_fm = 0
@@ -141,9 +149,7 @@ class CeFlowMatching(Objective):
                 f"generation in one row: lmms_models.MixedGeneration); {spec.name} is not one"
             )
         opt: CeFlowMatchingOptions = self.options
-        terms = mixed_terms(
-            spec, model, batch, opt.fm_config, ctx.seed, ctx.loss_backend, ctx.sp_group
-        )
+        terms = mixed_terms(spec, model, batch, opt.fm_config, ctx.seed, ctx.loss_backend)
         loss_sum = opt.ce_weight * terms["ce_sum"] + opt.fm_weight * terms["fm_sum"]
         if ctx.sp_group is not None:  # every SP rank holds the whole row's loss: the value is
             # the row's, each rank's gradient share 1/sp (the group's sum is one process's)

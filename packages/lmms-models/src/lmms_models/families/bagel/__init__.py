@@ -336,16 +336,38 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
 
     def mixed_forward(
         self, model: nn.Module, batch: dict[str, Any], tokens: torch.Tensor | None,
-        time: torch.Tensor | None, loss_backend: str = "auto", sp_group: Any = None,
+        time: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """``(hidden at the supervised text rows [N_ce, hidden], their labels [N_ce], velocity
+        predictions [N_noised, p*p*C])`` of one row (the whole row under SP: install_sp)."""
         from ..._diffusion import call_denoiser
 
-        return call_denoiser(
-            model, batch, tokens, time, loss_backend=loss_backend, sp_group=sp_group
-        )
+        hidden, pred = call_denoiser(model, batch, tokens, time)
+        ce_idx = batch["ce_index"]
+        return hidden[ce_idx], batch["labels"][ce_idx], pred
 
-    def packed_forward(self, model: nn.Module, batch: dict[str, Any], **_: Any) -> Any:
-        raise NotImplementedError("bagel trains with objective: ce_flow_matching")
+    def packed_forward(
+        self, model: nn.Module, batch: dict[str, Any], *, sp_group: Any = None,
+        loss_backend: str = "auto",
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(text cross-entropy sum, supervised text tokens)`` of one row with every latent
+        image clean (noise level 0): the understanding loss alone (``causal_lm``). Under SP every
+        rank holds the whole row's sum: its gradient share is ``1 / sp``."""
+        from lmms_kernels import fused_linear_cross_entropy
+
+        batch = self.prepare_row(model, batch)
+        latents = batch["vae_latents"]
+        tokens = torch.cat([self.latent_tokens(model, x) for x in latents]) if latents else None
+        time = None if tokens is None else tokens.new_zeros(tokens.shape[0])
+        hidden, labels, _ = self.mixed_forward(model, batch, tokens, time)
+        head = self.lm_head(model)
+        loss_sum, n = fused_linear_cross_entropy(
+            hidden, head.weight, labels, bias=head.bias, backend=loss_backend
+        )
+        if sp_group is not None:
+            sp = torch.distributed.get_world_size(sp_group)
+            loss_sum = loss_sum / sp + (loss_sum - loss_sum / sp).detach()
+        return loss_sum, n
 
     # ---------------------------------------------------------------- engine hooks
     def base_model(self, model: nn.Module) -> nn.Module:
@@ -379,13 +401,20 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
         return [model.vit_model.vision_model.embeddings, model.connector, model.vae2llm,
                 model.time_embedder, model.llm2vae]  # fmt: skip
 
-    def install_sp(self, model: nn.Module, sp_group: Any) -> None:
-        """Nothing to install: under Ulysses SP the objective passes its ``sp_group`` to
-        :meth:`Bagel.hidden_states`, which slices the embedded row itself (``_sp.py``)."""
+    def install_sp(self, model: nn.Module, sp_group: Any) -> Any:
+        """Ulysses SP over the decoder stack with the span masks kept whole
+        (lmms_parallel.RowSequenceParallel): every rank embeds the whole row, the decoder runs
+        on this rank's slice of tokens and attends over all of them for its share of the heads,
+        the final hidden states are gathered. Returns the handle (``.remove()``)."""
+        from lmms_parallel import RowSequenceParallel
+
         kv = model.config.llm.num_key_value_heads
         size = torch.distributed.get_world_size(sp_group)
         if kv % size:
             raise ValueError(f"bagel: {kv} key/value heads do not split over SP degree {size}")
+        stack = model.language_model.model
+        attention = [layer.self_attn for layer in stack.layers]
+        return RowSequenceParallel(stack, attention, sp_group).install()
 
     def check_tp(self, config: Any, tp: int) -> None:
         if tp > 1:

@@ -34,7 +34,6 @@ from torch import nn
 
 from ..sit._model import sincos_2d
 from ._mask import PackLayout, span_attention
-from ._sp import sp_gather, sp_layout, sp_slice, sp_span_attention
 
 __all__ = [
     "Bagel",
@@ -218,7 +217,11 @@ def rope_tables(
 
 # ------------------------------------------------------------------------------ MoT decoder
 class MoTAttention(nn.Module):
-    """Shared attention over the sequence; q/k/v/o projections and QK-norms per token type."""
+    """Shared attention over the sequence; q/k/v/o projections and QK-norms per token type.
+    ``attend(q, k, v, layout)``: the span attention of the row (sequence parallelism wraps it on
+    the instance: lmms_parallel.RowSequenceParallel)."""
+
+    attend = staticmethod(span_attention)
 
     def __init__(self, cfg: LLMConfig) -> None:
         super().__init__()
@@ -255,10 +258,7 @@ class MoTAttention(nn.Module):
         qkv = routed(x, gen, lambda a: self._qkv("", a), lambda a: self._qkv("_moe_gen", a))
         q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
         q, k = rope(q, *rope_cs), rope(k, *rope_cs)
-        if getattr(layout, "sp_group", None) is not None:
-            out = sp_span_attention(q, k, v, layout).flatten(1)  # Ulysses: see _sp.py
-        else:
-            out = span_attention(q, k, v, layout).flatten(1)  # [T, H * D]
+        out = self.attend(q, k, v, layout).flatten(1)  # [T, H * D]
         return routed(out, gen, self.o_proj, self.o_proj_moe_gen)
 
 
@@ -303,6 +303,18 @@ class _Qwen2MoTModel(nn.Module):
         self.layers = nn.ModuleList(MoTDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm_moe_gen = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden] the embedded row
+        gen: torch.Tensor,  # [T] bool: generation tokens
+        rope_cs: tuple[torch.Tensor, torch.Tensor],
+        layout: PackLayout,
+    ) -> torch.Tensor:
+        """The decoder stack: every layer, then each token's own expert's final norm."""
+        for layer in self.layers:
+            x = layer(x, gen, rope_cs, layout)
+        return routed(x, gen, self.norm, self.norm_moe_gen)
 
 
 class _Qwen2MoTForCausalLM(nn.Module):
@@ -411,8 +423,11 @@ class _Connector(nn.Module):
 
 # ------------------------------------------------------------------------------ BAGEL
 class Bagel(nn.Module):
-    """The whole model. :meth:`hidden_states` runs one packed row (see ``_pack.py`` for the batch
-    keys); :meth:`forward` adds the text cross-entropy and the latent velocity predictions."""
+    """The whole model, single-device and loss-free. :meth:`hidden_states` runs one packed row
+    (see ``_pack.py`` for the batch keys); :meth:`forward` adds the latent velocity predictions.
+    The losses are the objective's (``ce_flow_matching``, or ``causal_lm`` through
+    ``BagelSpec.packed_forward``); sequence parallelism is installed from outside
+    (``BagelSpec.install_sp``)."""
 
     def __init__(self, cfg: BagelConfig) -> None:
         super().__init__()
@@ -463,47 +478,23 @@ class Bagel(nn.Module):
         return x
 
     def hidden_states(self, batch: dict[str, Any], vae_tokens: torch.Tensor | None = None,
-                      vae_time: torch.Tensor | None = None, sp_group: Any = None) -> torch.Tensor:  # fmt: skip
-        """Final hidden states ``[T, hidden]`` (each token normed by its own expert's norm).
-        ``sp_group``: Ulysses over the decoder (``_sp.py``); the whole row is returned."""
-        lm = self.language_model.model
+                      vae_time: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Final hidden states ``[T, hidden]`` (each token normed by its own expert's norm)."""
         x = self.embed(batch, vae_tokens, vae_time)
         gen = batch["token_type"] == 2  # [T] VAE latent tokens: the generation expert
         cs = rope_tables(
             batch["position_ids"], self.config.llm.head_dim, self.config.llm.rope_theta, x.dtype
         )
-        layout: PackLayout = batch["layout"]
-        total = x.shape[0]
-        if sp_group is not None:
-            x, gen = sp_slice(x, sp_group), sp_slice(gen, sp_group)
-            cs = (sp_slice(cs[0], sp_group), sp_slice(cs[1], sp_group))
-            layout = sp_layout(layout, sp_group, total)
-        for layer in lm.layers:
-            x = layer(x, gen, cs, layout)
-        x = routed(x, gen, lm.norm, lm.norm_moe_gen)
-        return x if sp_group is None else sp_gather(x, sp_group, total)
+        return self.language_model.model(x, gen, cs, batch["layout"])
 
     def forward(
         self,
         batch: dict[str, Any],
         vae_tokens: torch.Tensor | None = None,  # [Ng, p*p*C] noised latent patches
         vae_time: torch.Tensor | None = None,  # [Ng] noise level per latent token
-        *,
-        loss_backend: str = "auto",
-        sp_group: Any = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(ce_sum fp32, ce_count int64, velocity predictions [Ng_loss, p*p*C])``.
-
-        The cross-entropy is the sum over supervised text positions (``labels != -100``, already
-        shifted by the packer) through the fused linear cross-entropy; predictions are taken at
-        the noised latent tokens (``batch["fm_index"]``)."""
-        from lmms_kernels import fused_linear_cross_entropy
-
-        hidden = self.hidden_states(batch, vae_tokens, vae_time, sp_group)
-        head = self.language_model.lm_head
-        ce_idx = batch["ce_index"]
-        ce_sum, ce_n = fused_linear_cross_entropy(
-            hidden[ce_idx], head.weight, batch["labels"][ce_idx], backend=loss_backend
-        )
-        pred = self.llm2vae(hidden[batch["fm_index"]])  # [N_noised, p*p*C], maybe empty
-        return ce_sum, ce_n, pred
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden [T, hidden], velocity predictions [Ng_loss, p*p*C])``: the final hidden
+        states of the row (the LM head and its cross-entropy are the objective's) and the
+        velocity head at the noised latent tokens (``batch["fm_index"]``, maybe none)."""
+        hidden = self.hidden_states(batch, vae_tokens, vae_time)
+        return hidden, self.llm2vae(hidden[batch["fm_index"]])

@@ -52,7 +52,7 @@ def generate_latents(
         t, dt = levels[i], levels[i] - levels[i + 1]
         tok = patchify(x, p)
         time = t.expand(tok.shape[0])
-        vs = [model(row, tok, time)[2] for row in rows]
+        vs = [model(row, tok, time)[1] for row in rows]
         v = vs[0] if len(vs) == 1 else vs[1] + guidance * (vs[0] - vs[1])
         x = x - dt * unpatchify(v.float(), shape[0], shape[1] // p, shape[2] // p, p)
     return x
