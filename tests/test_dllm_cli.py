@@ -9,7 +9,8 @@ import torch
 from e2e_helpers import expect_failure
 
 from lmms_models import get_model_spec
-from lmms_models.objectives import export_dream, get_objective
+from lmms_models.layouts import export_dream
+from lmms_models.objectives import get_objective
 from lmms_train import train
 from lmms_train._metrics import read_jsonl
 from lmms_train.cli import main

@@ -12,7 +12,7 @@ import torch
 from e2e_helpers import llada_config
 from safetensors.torch import load_file
 
-from lmms_models.objectives import export_llada, load_dllm
+from lmms_models.layouts import export_llada, load_dllm
 from lmms_models.testing_llada import llada_weights
 from lmms_train import train
 from lmms_train._metrics import read_jsonl

@@ -9,13 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from lmms_models import get_model_spec
-from lmms_models.objectives import (
-    diffusion_generate,
-    export_dream,
-    get_objective,
-    load_dllm,
-    read_layout,
-)
+from lmms_models.layouts import export_dream, load_dllm, read_layout
+from lmms_models.objectives import diffusion_generate, get_objective
 
 MASK_ID = 1001
 

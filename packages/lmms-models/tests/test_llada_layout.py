@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from lmms_models import get_model_spec
-from lmms_models.objectives import (
+from lmms_models.layouts import (
     DLLM_LAYOUTS,
     LLADA_MASK_TOKEN_ID,
     export_llada,
     load_dllm,
     read_layout,
 )
-from lmms_models.objectives.llada_layout import (
+from lmms_models.layouts.llada import (
     hf_to_llada_name,
     llada_config,
     llada_to_hf_name,

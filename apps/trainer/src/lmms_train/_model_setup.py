@@ -79,7 +79,7 @@ def resolve_spec(cfg: TrainConfig) -> Any:
                     " (only local folders are supported; set model_config.model_type to override)"
                 )
             name = json.loads(cfg_file.read_text()).get("model_type", "")
-            from lmms_models.objectives import DLLM_LAYOUTS
+            from lmms_models.layouts import DLLM_LAYOUTS
 
             if name in DLLM_LAYOUTS:  # a dLLM release in its family's layout (e.g. Dream: qwen2)
                 name = DLLM_LAYOUTS[name].family
@@ -116,7 +116,7 @@ def build_objective(cfg: TrainConfig, spec: Any = None) -> Any:
     if spec is not None and spec.default_objective == m.objective:
         args = {**spec.objective_defaults, **args}  # the family's parameterisation (wan: RF)
     if m.objective == "masked_diffusion" and "shift" not in args and m.load_from_pretrained_path:
-        from lmms_models.objectives import read_layout
+        from lmms_models.layouts import read_layout
 
         try:  # a release's layout says how its positions predict (Dream: shifted)
             _, _, shift = read_layout(m.load_from_pretrained_path)
@@ -309,7 +309,7 @@ def build_model(
             from lmms_parallel import load_full_state_dict, materialize
 
             materialize(model, env.device)
-            from lmms_models.objectives.llada_layout import pretrained_key_map
+            from lmms_models.layouts.llada import pretrained_key_map
 
             key_map = pretrained_key_map(weights) if isinstance(weights, str) else None  # LLaDA
             if isinstance(weights, str) and env.rank == 0:  # a path, or read by the family

@@ -1,7 +1,7 @@
 """`lmms-train sample`: decode text from a masked-diffusion checkpoint folder.
 
 The folder is an HF-layout dLLM (what `export_hf: true` writes for `objective: masked_diffusion`,
-or a Dream- or LLaDA-layout release; `lmms_models.objectives.load_dllm`); the tokenizer comes from
+or a Dream- or LLaDA-layout release; `lmms_models.layouts.load_dllm`); the tokenizer comes from
 `--processor` (default: the folder itself). The prompt goes through the tokenizer's chat template
 (a user turn and the assistant's header) unless `--raw`.
 """
@@ -33,7 +33,8 @@ def sample_text(
     """The decoded answer (with `show_steps`, one line per step before it, masks shown as `_`)."""
     from transformers import AutoTokenizer
 
-    from lmms_models.objectives import diffusion_generate, load_dllm
+    from lmms_models.layouts import load_dllm
+    from lmms_models.objectives import diffusion_generate
 
     if not (Path(folder) / "config.json").is_file():
         raise UserError(f"sample: no config.json in {folder!r} (a local checkpoint folder)")

@@ -17,8 +17,8 @@ A dLLM built on a Qwen/LLaMA-style decoder is that decoder's checkpoint plus thr
 * **LLaDA** (LLaDA-8B Base / Instruct, LLaDA-1.5: ``model_type: "llada"``,
   ``architectures: ["LLaDAModelLM"]``): a LLaMA decoder under OLMo-style names
   (``model.transformer.blocks.N.ff_proj``) and its own config keys; read as the ``llama`` family
-  through the name and key map of :mod:`.llada_layout`, unshifted, written back by
-  :func:`~.llada_layout.export_llada` (tensors renamed, bytes unchanged).
+  through the name and key map of :mod:`.llada`, unshifted, written back by
+  :func:`~.llada.export_llada` (tensors renamed, bytes unchanged).
 
 Remote code is never run: folders are read with the family's transformers classes and
 ``local_files_only=True``.
@@ -93,7 +93,7 @@ def load_dllm(
     import torch
 
     from .. import get_model_spec
-    from .masked_diffusion import make_bidirectional
+    from ..objectives.masked_diffusion import make_bidirectional
 
     family, conf, shift = read_layout(folder)
     spec = get_model_spec(family)

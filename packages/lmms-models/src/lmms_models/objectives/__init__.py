@@ -19,17 +19,8 @@ from ._base import (
 from .causal_lm import CausalLM
 from .ce_flow_matching import CeFlowMatching, CeFlowMatchingOptions
 from .diffusion_sampler import SampleResult, diffusion_generate
-from .dllm_checkpoints import (
-    DLLM_LAYOUTS,
-    DllmCheckpoint,
-    DllmLayout,
-    export_dream,
-    load_dllm,
-    read_layout,
-)
 from .dpo import DPO, DPOOptions, dpo_pair_losses
 from .flow_matching import FlowMatching
-from .llada_layout import LLADA_MASK_TOKEN_ID, export_llada
 from .masked_diffusion import (
     MaskedDiffusion,
     MaskedDiffusionOptions,
@@ -39,16 +30,12 @@ from .masked_diffusion import (
 
 __all__ = [
     "CAPABILITIES",
-    "DLLM_LAYOUTS",
     "DPO",
-    "LLADA_MASK_TOKEN_ID",
     "OBJECTIVE_REGISTRY",
     "CausalLM",
     "CeFlowMatching",
     "CeFlowMatchingOptions",
     "DPOOptions",
-    "DllmCheckpoint",
-    "DllmLayout",
     "FlowMatching",
     "MaskedDiffusion",
     "MaskedDiffusionOptions",
@@ -59,12 +46,8 @@ __all__ = [
     "diffusion_generate",
     "dpo_pair_losses",
     "draw_masks",
-    "export_dream",
-    "export_llada",
     "get_objective",
     "list_objectives",
-    "load_dllm",
     "make_bidirectional",
-    "read_layout",
     "register_objective",
 ]

@@ -3,7 +3,7 @@
 Besides the family's own layout (``model_type: llama``), a local folder in LLaDA's release layout
 (``model_type: llada``: OLMo-style names ``model.transformer.blocks.N.ff_proj``, its own config
 keys, a bidirectional LLaMA decoder) builds through the same upstream class: the config and the
-parameter names are translated by :mod:`lmms_models.objectives.llada_layout`; LLaDA's remote code
+parameter names are translated by :mod:`lmms_models.layouts.llada`; LLaDA's remote code
 is never imported.
 """
 
@@ -88,9 +88,9 @@ class LlamaSpec(ModelSpec):
         LLaDA folder: the config becomes a LLaMA config (``is_causal: false``, the mask token id)
         and the weights load under the upstream names (strict: every key must map and match).
         On ``meta`` only the config is read; the trainer loads the weights with
-        :func:`~lmms_models.objectives.llada_layout.pretrained_key_map`.
+        :func:`~lmms_models.layouts.llada.pretrained_key_map`.
         """
-        from ...objectives.llada_layout import is_llada_folder, llada_config, read_llada_weights
+        from ...layouts.llada import is_llada_folder, llada_config, read_llada_weights
 
         if pretrained is None or not is_llada_folder(pretrained):
             return super().build(
