@@ -32,7 +32,7 @@ for p in ${PACKAGES:-kernels kernels-compile linear models optim parallel data p
   t0=$(date +%s)
   echo "===== $p ($d), cap ${CAP}s" >> "$OUT/gpu_tests.txt"
   # shellcheck disable=SC2086
-  timeout "$CAP" python3 -m pytest -q -p no:cacheprovider -m gpu -rA --durations=25 \
+  timeout "$CAP" python3 -m pytest -v --tb=short -p no:cacheprovider -m gpu -rA --durations=25 \
     --junitxml="/tmp/gpu_junit/$p.xml" ${PYTEST_ARGS:-} $d >> "$OUT/gpu_tests.txt" 2>&1
   rc=$?
   dt=$(( $(date +%s) - t0 ))
