@@ -327,10 +327,13 @@ def check_fits(path: Path, model: torch.nn.Module, differences: list[str]) -> No
 
 
 def weights_finite(model: torch.nn.Module, env: DistEnv) -> bool:
-    """True when every parameter (this rank's shards, then all ranks) is finite; one host
-    read per call, so it runs only before a save."""
+    """True when every trainable parameter (this rank's shards, then all ranks) is finite; one
+    host read per call, so it runs only before a save. Frozen parameters never change (and may be
+    quantised tensors without elementwise ops: a QLoRA base)."""
     flags = []
     for p in model.parameters():
+        if not p.requires_grad:
+            continue
         t = p.to_local() if hasattr(p, "to_local") else p
         if t.numel():
             flags.append(torch.isfinite(t).all())
