@@ -187,15 +187,23 @@ def draw(
     cfg: FlowMatchingConfig, seeds: torch.Tensor, shape: tuple[int, ...], device: Any
 ) -> Draws:
     """Noise, time and CFG drop for each sample, from a generator seeded with its ``seeds[i]``:
-    the time first, then the drop decision, then the noise (fp32, shape ``[B, *shape]``)."""
+    the time first, then the drop decision, then the noise (fp32, shape ``[B, *shape]``).
+
+    Drawn on the CPU whatever ``device``, so a GPU run draws what a CPU run draws (a CUDA
+    generator gives other numbers for the same seed), then copied from pinned memory without
+    the host waiting for the device."""
     noise, ts, drops = [], [], []
-    gen = torch.Generator(device=device)
+    gen = torch.Generator()
     for seed in seeds.tolist():
         gen.manual_seed(int(seed) & 0x7FFF_FFFF_FFFF_FFFF)
-        ts.append(to_time(cfg, sample_noise_level(cfg, gen, device)))
-        drops.append(torch.rand(1, generator=gen, device=device) < cfg.cfg_dropout)
-        noise.append(torch.randn(shape, generator=gen, device=device))
-    return Draws(noise=torch.stack(noise), t=torch.cat(ts), drop=torch.cat(drops))
+        ts.append(to_time(cfg, sample_noise_level(cfg, gen, "cpu")))
+        drops.append(torch.rand(1, generator=gen) < cfg.cfg_dropout)
+        noise.append(torch.randn(shape, generator=gen))
+    out = [torch.stack(noise), torch.cat(ts), torch.cat(drops)]
+    if torch.device(device).type != "cpu":
+        pin = torch.cuda.is_available()
+        out = [(x.pin_memory() if pin else x).to(device, non_blocking=pin) for x in out]
+    return Draws(noise=out[0], t=out[1], drop=out[2])
 
 
 # ------------------------------------------------------------------------------ loss
