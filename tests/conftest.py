@@ -1,8 +1,11 @@
-"""Shared fixtures of the end-to-end trainer tests, made once per session: a tiny dataset +
-processor, a LLaDA-layout folder, and the tiny BAGEL example's straight run."""
+"""Shared fixtures of the end-to-end trainer tests: made once per session, a tiny dataset +
+processor, a LLaDA-layout folder and the tiny BAGEL example's straight run; per test, a SIGTERM
+sent by the run's metrics sink."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -56,3 +59,23 @@ def bagel_straight(tmp_path_factory) -> Path:
           "trainer_args.max_steps=3", "trainer_args.save_steps=0",
           "trainer_args.gradient_accumulation_steps=2", "dataset_config.num_workers=2")))  # fmt: skip
     return tmp
+
+
+@pytest.fixture
+def sigterm_after_logging(monkeypatch):
+    """``arm(step)``: this process gets SIGTERM right after the run's metrics sink logs `step`
+    (metrics are logged one step late, so the signal comes while step + 1 runs; the trainer saves
+    and stops at the next step boundary). ``arm(None)`` disarms."""
+    import lmms_train._metrics as metrics
+
+    original = metrics.JsonlSink.log
+
+    def arm(step: int | None) -> None:
+        def log_and_term(self, logged, m):
+            original(self, logged, m)
+            if logged == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        monkeypatch.setattr(metrics.JsonlSink, "log", original if step is None else log_and_term)
+
+    return arm

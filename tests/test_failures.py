@@ -254,17 +254,8 @@ def test_flat_runs_warn_once(capsys):
     )
 
 
-def test_sigterm_exits_75_after_saving(tiny_inputs, tmp_path, capsys, monkeypatch):
-    import lmms_train._metrics as metrics
-
-    original = metrics.JsonlSink.log
-
-    def log_and_term(self, step, m):
-        original(self, step, m)
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(metrics.JsonlSink, "log", log_and_term)
+def test_sigterm_exits_75_after_saving(tiny_inputs, tmp_path, capsys, sigterm_after_logging):
+    sigterm_after_logging(1)
     out = tmp_path / "out"
     path = write_config(tiny_config(tiny_inputs, out, max_steps=6), tmp_path / "c.yaml")
     assert main([str(path)]) == 75

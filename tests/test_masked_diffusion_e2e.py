@@ -5,9 +5,6 @@ SP 2 == 1 process: tests/test_cli_layouts.py."""
 
 from __future__ import annotations
 
-import os
-import signal
-
 from e2e_helpers import step_rows, tiny_config
 
 from lmms_train import train
@@ -23,25 +20,16 @@ def _md(cfg: dict) -> dict:
     return cfg
 
 
-def test_sigterm_then_resume_redraws_the_same_masks(tiny_inputs, tmp_path, monkeypatch):
+def test_sigterm_then_resume_redraws_the_same_masks(tiny_inputs, tmp_path, sigterm_after_logging):
     steps = 4
     ref = _md(tiny_config(tiny_inputs, tmp_path / "ref", max_steps=steps, save_final=False))
     train(config_from_dict(ref))
     expected = step_rows(tmp_path / "ref", *KEYS)
 
-    import lmms_train._metrics as metrics
-
-    original = metrics.JsonlSink.log
-
-    def log_and_kill(self, step, m):
-        original(self, step, m)
-        if step == 1:  # seen when step 3 starts: step 3 is saved and the run stops
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(metrics.JsonlSink, "log", log_and_kill)
+    sigterm_after_logging(1)  # the run saves and stops before the last step
     run = _md(tiny_config(tiny_inputs, tmp_path / "run", max_steps=steps, save_final=False))
     train(config_from_dict(run))
-    monkeypatch.setattr(metrics.JsonlSink, "log", original)
+    sigterm_after_logging(None)
     assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) < steps
     run["trainer_args"]["resume_from"] = "latest"
     train(config_from_dict(run))

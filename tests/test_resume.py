@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-
 from e2e_helpers import tiny_config
 
 from lmms_train import train
@@ -12,7 +9,7 @@ from lmms_train._metrics import read_jsonl
 from lmms_train.config import config_from_dict
 
 
-def test_sigterm_then_resume_is_bitwise_equal(tiny_inputs, tmp_path, monkeypatch):
+def test_sigterm_then_resume_is_bitwise_equal(tiny_inputs, tmp_path, sigterm_after_logging):
     steps = 5
     ref = tiny_config(tiny_inputs, tmp_path / "ref", max_steps=steps, save_final=False)
     train(config_from_dict(ref))
@@ -22,19 +19,10 @@ def test_sigterm_then_resume_is_bitwise_equal(tiny_inputs, tmp_path, monkeypatch
     # Interrupted run: SIGTERM arrives while step 2 is logged. Metrics are logged one step late
     # (after step 3's work is queued), so the signal comes during step 3; the flag is seen when
     # step 4 would start, and step 3 is the last one, checkpointed at that boundary.
-    import lmms_train._metrics as metrics
-
-    original = metrics.JsonlSink.log
-
-    def log_and_kill(self, step, m):
-        original(self, step, m)
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(metrics.JsonlSink, "log", log_and_kill)
+    sigterm_after_logging(2)
     run = tiny_config(tiny_inputs, tmp_path / "run", max_steps=steps, save_final=False)
     train(config_from_dict(run))
-    monkeypatch.setattr(metrics.JsonlSink, "log", original)
+    sigterm_after_logging(None)
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert ckpts == ["step_000003"], ckpts
     assert len(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == 3
