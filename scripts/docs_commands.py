@@ -13,10 +13,10 @@ Two layers, so that the docs cannot drift:
   per file (a render after the training that writes its checkpoint), in a scratch copy of the
   tracked files, each with its wall time; a failure exits 1.
 
-Kinds: `cpu` (runs on a laptop: tiny examples, their render/sample), `gpu` (needs CUDA GPUs:
-real-size configs, GPU benchmarks, `-m gpu` tests), `network` (pip / hf downloads), `template`
-(placeholders such as CONFIG.yaml, `[...]`), `data` (reads a real data set, e.g. under /data),
-`suite` (the test suite itself).
+Kinds: `cpu` (runs on a laptop: the tiny examples, named `*tiny*.yaml`, their render/sample),
+`gpu` (needs CUDA GPUs and real weights: every other config, GPU benchmarks, `-m gpu` tests),
+`network` (pip / hf downloads), `template` (placeholders such as CONFIG.yaml, `[...]`), `data`
+(reads a real data set, e.g. under /data), `suite` (the test suite itself).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ class DocCommand:
         if any(a.startswith("/data") or "=/data/" in a for a in args):
             return "data"  # a real data set on the machine
         config = next((a for a in args if a.endswith(".yaml")), None)
-        if args and args[0] not in SUBCOMMANDS and config and "gpu" in Path(config).name:
-            return "gpu"
+        if args and args[0] not in SUBCOMMANDS and config and "tiny" not in Path(config).name:
+            return "gpu"  # the CPU examples are the tiny ones (examples/*/tiny_cpu*.yaml, ...)
         return "cpu"
 
 
