@@ -103,8 +103,7 @@ NAME_EXEMPT = "packages/lmms-data/src/lmms_data/processors/"
 KNOWN_NAMES = {
     # lmms-engine config conversion: the engine's own model and dataset type names
     "apps/trainer/src/lmms_train/_convert_tables.py": 5,
-    # the `bagel` synthetic-data kind (generate_synthetic.kind)
-    "apps/trainer/src/lmms_train/_data_setup.py": 3,
+    # the `bagel` synthetic-data kind (generate_synthetic.kind: a config value)
     "apps/trainer/src/lmms_train/config/_schema.py": 1,
     # Liger's RMSNorm casting mode is called "llama" (not the family)
     "packages/lmms-kernels/src/lmms_kernels/_liger.py": 4,
@@ -114,6 +113,7 @@ KNOWN_NAMES = {
     "packages/lmms-data/src/lmms_data/_config.py": 1,
     "packages/lmms-data/src/lmms_data/_local_processor.py": 1,  # the default family
     "packages/lmms-data/src/lmms_data/_synthetic_bagel.py": 5,
+    "packages/lmms-data/src/lmms_data/_synthetic_kinds.py": 4,
 }
 
 _CODE_LIKE = re.compile(r"[A-Za-z0-9_.]+")

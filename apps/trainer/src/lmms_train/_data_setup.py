@@ -71,40 +71,21 @@ def prepare_inputs(cfg: TrainConfig, env: DistEnv, spec: Any) -> dict[str, int] 
 
 
 def _generate(g: Any, dataset_path: str, spec: Any) -> None:
-    """Synthetic records of `g.kind` (default: `vl` for vision-language models, else `text`)."""
-    from lmms_data import generate_synthetic_audio, generate_synthetic_text, generate_synthetic_vl
+    """Synthetic records of `g.kind` (default: the family's `synthetic_kind`, else `omni`, `audio`,
+    `vl` or `text` by the media the family takes)."""
+    from lmms_data import generate_synthetic
 
     out = dataset_path if not Path(dataset_path).suffix else str(Path(dataset_path).parent)
-    if (g.kind or spec.synthetic_kind) == "bagel":
-        from lmms_data import generate_synthetic_bagel
-
-        generate_synthetic_bagel(out, g.num_samples, seed=g.seed, image_size=g.image_size)
-        return None
-    if (g.kind or spec.synthetic_kind) in ("shapes", "clips"):
+    kind = g.kind or spec.synthetic_kind
+    if kind in ("shapes", "clips"):  # latent demos (diffusion transformers)
         from lmms_train._latent_data import generate_latent_demo
 
-        return generate_latent_demo(g, out, g.kind or spec.synthetic_kind)
+        return generate_latent_demo(g, out, kind)
     audio, vision = "input_features" in spec.media_keys, "pixel_values" in spec.media_keys
     default = "omni" if audio and vision else "audio" if audio else "vl" if vision else "text"
-    kind = g.kind or default
-    if kind == "text":
-        generate_synthetic_text(out, g.num_samples, format=g.format, seed=g.seed)
-    elif kind == "audio":
-        generate_synthetic_audio(out, g.num_samples, format=g.format, seed=g.seed)
-    elif kind == "preference":
-        from lmms_data import generate_synthetic_preference
-
-        generate_synthetic_preference(out, g.num_samples, seed=g.seed, image_size=g.image_size)
-    elif kind == "omni":
-        from lmms_data import generate_synthetic_omni
-
-        generate_synthetic_omni(
-            out, g.num_samples, format=g.format, seed=g.seed, image_size=g.image_size
-        )
-    else:
-        generate_synthetic_vl(
-            out, g.num_samples, format=g.format, seed=g.seed, image_size=g.image_size
-        )
+    generate_synthetic(kind or default, out, g.num_samples, format=g.format, seed=g.seed,
+                       image_size=g.image_size)  # fmt: skip
+    return None
 
 
 def _token_ids(path: str, *, vision: bool = True) -> dict[str, int]:

@@ -52,6 +52,7 @@ from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
 from lmms_data._synthetic_audio import generate_synthetic_audio, generate_synthetic_omni
 from lmms_data._synthetic_bagel import generate_synthetic_bagel
 from lmms_data._synthetic_diffusion import generate_synthetic_clips, generate_synthetic_shapes
+from lmms_data._synthetic_kinds import SYNTHETIC_KINDS, generate_synthetic
 from lmms_data._synthetic_preference import generate_synthetic_preference
 from lmms_data.processors import (
     AUDIO_TYPE_ID,
@@ -73,6 +74,7 @@ __all__ = [
     "MEDIA_KEYS",
     "PROCESSOR_REGISTRY",
     "SPECIAL_TOKENS",
+    "SYNTHETIC_KINDS",
     "TEXT_FAMILIES",
     "AudioOptions",
     "BadRecordError",
@@ -101,6 +103,7 @@ __all__ = [
     "dataset_path_exists",
     "decode_audio",
     "discover_units",
+    "generate_synthetic",
     "generate_synthetic_audio",
     "generate_synthetic_bagel",
     "generate_synthetic_clips",

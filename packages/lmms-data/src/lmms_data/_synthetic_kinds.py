@@ -1,0 +1,46 @@
+"""``generate_synthetic(kind, ...)``: the demo record generators of lmms-data by kind, one table
+(what ``dataset_config.generate_synthetic.kind`` names; a model family's default kind is its
+``synthetic_kind``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
+from lmms_data._synthetic_audio import generate_synthetic_audio, generate_synthetic_omni
+from lmms_data._synthetic_bagel import generate_synthetic_bagel
+from lmms_data._synthetic_preference import generate_synthetic_preference
+
+__all__ = ["SYNTHETIC_KINDS", "generate_synthetic"]
+
+#: ``kind -> generator(out_dir, n, *, format, seed, image_size)`` (each takes what it uses)
+SYNTHETIC_KINDS: dict[str, Callable[..., object]] = {
+    "text": lambda out, n, *, format, seed, image_size: generate_synthetic_text(
+        out, n, format=format, seed=seed
+    ),
+    "audio": lambda out, n, *, format, seed, image_size: generate_synthetic_audio(
+        out, n, format=format, seed=seed
+    ),
+    "vl": lambda out, n, *, format, seed, image_size: generate_synthetic_vl(
+        out, n, format=format, seed=seed, image_size=image_size
+    ),
+    "omni": lambda out, n, *, format, seed, image_size: generate_synthetic_omni(
+        out, n, format=format, seed=seed, image_size=image_size
+    ),
+    "preference": lambda out, n, *, format, seed, image_size: generate_synthetic_preference(
+        out, n, seed=seed, image_size=image_size
+    ),
+    "bagel": lambda out, n, *, format, seed, image_size: generate_synthetic_bagel(
+        out, n, seed=seed, image_size=image_size
+    ),
+}
+
+
+def generate_synthetic(
+    kind: str, out_dir: str, n: int, *, format: str = "parquet", seed: int = 0,
+    image_size: int = 64,
+) -> None:  # fmt: skip
+    """Write ``n`` synthetic records of ``kind`` (:data:`SYNTHETIC_KINDS`) under ``out_dir``."""
+    if kind not in SYNTHETIC_KINDS:
+        raise ValueError(f"unknown synthetic kind {kind!r}; known: {sorted(SYNTHETIC_KINDS)}")
+    SYNTHETIC_KINDS[kind](out_dir, n, format=format, seed=seed, image_size=image_size)
