@@ -98,6 +98,17 @@ def test_lora_muon_groups_and_qlora_on_cpu(tiny_inputs, base_folder, tmp_path, c
     assert len(muon) == 2 * len(built.adapter.targets) and not other
     assert all(".lora_A." in n or ".lora_B." in n for n in muon)
 
+    # what LoRA does not compose with is refused before the build, each with its reason
+    from lmms_train._errors import ConfigError
+    from lmms_train._lora_setup import check_lora
+
+    with pytest.raises(ConfigError, match="no TP/EP plan"):
+        check_lora(cfg, DistEnv(tp=2, world_size=2))
+    cfg.model_config.lora.quantize_base = "nf4"
+    with pytest.raises(ConfigError, match="one-process"):
+        check_lora(cfg, DistEnv(device=torch.device("cuda"), fsdp=True))
+    check_lora(cfg, DistEnv(device=torch.device("cuda")))  # QLoRA on one GPU: accepted
+
     from lmms_train.cli import main
 
     bad = _lora_cfg(tiny_inputs, base_folder, tmp_path / "q")
