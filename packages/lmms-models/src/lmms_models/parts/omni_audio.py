@@ -1,4 +1,4 @@
-"""Qwen2.5-Omni thinker (``Qwen2_5OmniThinkerForConditionalGeneration``): the text-generating
+"""The Omni audio part, after the Qwen2.5-Omni thinker (``Qwen2_5OmniThinkerForConditionalGeneration``): the text-generating
 part of Qwen2.5-Omni (the talker and the speech decoder are not trained). A Qwen2.5-VL-style
 windowed ViT, a Whisper-style audio encoder that already attends within 2 s chunks (``n_window``,
 varlen by construction: no 30 s padding) and projects to the text width, and a Qwen2.5 decoder
@@ -20,90 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import _flops
-from ..._audio import merge_audio, whisper_lengths
-from ..._registry import register_model
-from ..._spec import to_device
-from ..._vl import merge_tiny
-from ..qwen2_5_vl import Qwen2_5_VLSpec
-from ._checkpoint import is_full_omni, load_thinker, write_full_omni
+from .. import _flops
+from .._audio import merge_audio, whisper_lengths
+from .._spec import to_device
+from .._vl import QwenVLSpec
+from .omni_checkpoint import is_full_omni, load_thinker, write_full_omni
 
-__all__ = ["QWEN2_5_OMNI_7B", "Qwen2_5OmniSpec"]
+__all__ = ["OmniAudioPart", "omni_audio_flops"]
 
 _AUDIO_KEYS = ("input_features", "audio_feature_lens", "audio_frames")
-
-# Qwen2.5-Omni-7B's thinker (random weights: benchmarks and GPU examples). Sources, checked
-# 2026-12 (no hub access here): text and audio values as the released config.json, quoted in
-# public test fixtures (rtp-llm's Qwen2.5-Omni tests: hidden 3584, 18944, 28 layers, 28/4 heads,
-# vocab 152064, rope_theta 1e6, audio 1280 wide, 32 layers, 20 heads, 5120, output 3584; vision
-# embed 1280, depth 32, 16 heads); the rest are transformers' Qwen2.5-Omni config defaults,
-# documented as Qwen/Qwen2.5-Omni-7B's (audio n_window 100; ViT 3420 wide, window 112, full
-# attention at 7/15/23/31, patch 14; mrope_section 16/24/24; token ids 151646-151656; 25
-# positions per second, 2 s chunks).
-QWEN2_5_OMNI_7B: dict[str, Any] = {
-    "audio_config": {
-        "d_model": 1280, "encoder_layers": 32, "encoder_attention_heads": 20,
-        "encoder_ffn_dim": 5120, "num_mel_bins": 128, "max_source_positions": 1500,
-        "n_window": 100, "output_dim": 3584,
-    },
-    "vision_config": {
-        "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-        "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
-        "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
-        "in_channels": 3,
-    },
-    "text_config": {
-        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
-                            "mrope_section": [16, 24, 24]},
-        "tie_word_embeddings": False, "use_cache": False,
-    },
-    "audio_token_id": 151646, "image_token_id": 151655, "video_token_id": 151656,
-    "audio_start_token_id": 151647, "audio_end_token_id": 151648,
-    "vision_start_token_id": 151652, "vision_end_token_id": 151653,
-    "position_id_per_seconds": 25, "seconds_per_chunk": 2,
-}  # fmt: skip
-
-# Qwen2.5-Omni-3B's thinker: the same towers projecting to 2048, the Qwen2.5-3B decoder shape
-# (vocab 151936, hidden 2048, 11008, 36 layers, 16/2 heads of 128, rope_theta 1e6, 32768
-# positions: the released config.json's text values as quoted in public ports, e.g. Tyr's
-# Qwen25Omni config). Not verified: whether its thinker ties the LM head (kept untied).
-QWEN2_5_OMNI_3B: dict[str, Any] = {
-    **QWEN2_5_OMNI_7B,
-    "audio_config": {**QWEN2_5_OMNI_7B["audio_config"], "output_dim": 2048},
-    "vision_config": {**QWEN2_5_OMNI_7B["vision_config"], "out_hidden_size": 2048},
-    "text_config": {
-        **QWEN2_5_OMNI_7B["text_config"], "vocab_size": 151936, "hidden_size": 2048,
-        "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-    },
-}  # fmt: skip
-
-_TINY: dict[str, Any] = {
-    "audio_config": {
-        "d_model": 32, "encoder_layers": 2, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
-        "num_mel_bins": 128, "max_source_positions": 1500, "n_window": 100, "output_dim": 64,
-    },
-    "vision_config": {
-        "depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2,
-        "out_hidden_size": 64, "patch_size": 4, "spatial_merge_size": 2,
-        "temporal_patch_size": 2, "window_size": 16, "fullatt_block_indexes": [1],
-        "in_channels": 3,
-    },
-    "text_config": {
-        "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                            "mrope_section": [4, 2, 2]},
-        "tie_word_embeddings": False, "use_cache": False,
-    },
-    "image_token_id": 1000, "video_token_id": 1001, "vision_start_token_id": 1002,
-    "vision_end_token_id": 1003, "audio_token_id": 1006, "audio_start_token_id": 1007,
-    "audio_end_token_id": 1008, "position_id_per_seconds": 25, "seconds_per_chunk": 2,
-    "tie_word_embeddings": False,
-}  # fmt: skip
 
 
 def omni_audio_flops(audio_config: Any, feature_lens: Any) -> float:
@@ -129,31 +54,20 @@ def omni_audio_flops(audio_config: Any, feature_lens: Any) -> float:
     return 6.0 * dense + 12.0 * layers * d * sq
 
 
-@register_model("qwen2_5_omni")
-class Qwen2_5OmniSpec(Qwen2_5_VLSpec):
-    processor_family = "qwen2_5_omni"
-    #: Liger (lmms_kernels.apply_liger): text decoder and the Qwen2.5-VL-style vision tower's SwiGLU
-    liger_plan = {  # noqa: RUF012
-        "rms_norm": ("Qwen2_5OmniRMSNorm",),
-        "mlp": ("Qwen2MLP", "Qwen2_5OmniMLP"),
-    }
-    config_class = "Qwen2_5OmniThinkerConfig"
-    model_class = "Qwen2_5OmniThinkerForConditionalGeneration"
-    folder_model_types = ("qwen2_5_omni_thinker",)  # a thinker-only folder (the export)
+class OmniAudioPart(QwenVLSpec):
+    """The Omni thinker's audio side, composed with a vision part (``Qwen2_5VisionPart`` or
+    ``Qwen3VisionPart``): the audio tower and its host-precomputed inputs, TMRoPE positions
+    (upstream's ``get_rope_index``), both towers in a fixed order under several ranks, the
+    thinker layouts of transformers' versions and the full-Omni checkpoint layout."""
+
     #: TMRoPE times kept fractional (float32 position rows) instead of integers
     fractional_positions = False
-    media_keys = (*Qwen2_5_VLSpec.media_keys, *_AUDIO_KEYS)
-    host_keys = (*Qwen2_5_VLSpec.host_keys, "audio_feature_lens", "audio_frames")
-    presets = {"3b": QWEN2_5_OMNI_3B, "7b": QWEN2_5_OMNI_7B}  # noqa: RUF012
+    media_keys = (*QwenVLSpec.media_keys, *_AUDIO_KEYS)
+    #: audio entries that stay on the host (a family adds them to its vision part's ``host_keys``)
+    audio_host_keys = ("audio_feature_lens", "audio_frames")
     #: How a video and its own sound track interleave (``use_audio_in_video``): in runs of
     #: ``seconds_per_chunk`` of TMRoPE time ("chunks"), or token by token ("tokens", Qwen3-Omni).
     audio_in_video = "chunks"
-
-    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        out = merge_tiny(_TINY, {k: v for k, v in overrides.items() if k != "audio_config"})
-        if isinstance(overrides.get("audio_config"), dict):
-            out["audio_config"] = {**out["audio_config"], **overrides["audio_config"]}
-        return out
 
     def build(self, **kwargs: Any) -> nn.Module:
         """Upstream's build. ``pretrained`` may be a released full Omni folder (thinker, talker,

@@ -1,6 +1,7 @@
-"""Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``): Qwen2.5 decoder with 3-D mRoPE, and a
+"""The Qwen2.5-VL part (``Qwen2_5_VLForConditionalGeneration``'s layout): Qwen2.5 decoder with 3-D mRoPE, and a
 SwiGLU/RMSNorm ViT that uses windowed attention (112 px windows) in all but a few full-attention
-layers, then merges 2×2 patches into one LM token."""
+layers, then merges 2×2 patches into one LM token. :class:`Qwen2_5VisionPart` is what the ``qwen2_5_vl`` and
+``qwen2_5_omni`` families compose; its defaults are Qwen2.5-VL's."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ from typing import Any
 
 import torch
 
-from ... import _flops
-from ..._plans import QWEN2_TP_PLAN, QWEN2_TP_SP_PLAN
-from ..._registry import register_model
-from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
+from .. import _flops
+from .._plans import QWEN2_TP_PLAN, QWEN2_TP_SP_PLAN
+from .._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
 
-__all__ = ["QWEN2_5_VL_3B", "Qwen2_5_VLSpec"]
+__all__ = [
+    "QWEN2_5_VL_3B",
+    "Qwen2_5VisionPart",
+    "precomputed_vision_inputs",
+    "vit_tower_shape",
+]
 
 # Published Qwen2.5-VL-3B-Instruct config values (random weights are used for benchmarks).
 QWEN2_5_VL_3B: dict[str, Any] = {
@@ -122,8 +127,21 @@ def precomputed_vision_inputs(vision_config: Any, grid_thw: torch.Tensor) -> dic
     }
 
 
-@register_model("qwen2_5_vl")
-class Qwen2_5_VLSpec(QwenVLSpec):
+def vit_tower_shape(config: Any) -> Any:
+    """The memory planner's view of a Qwen-VL ViT (``vision_config``'s depth, width, MLP width and
+    heads): a SwiGLU MLP, ``spatial_merge_size²`` patches per image token."""
+    from .._memory import TowerShape
+
+    v = _flops._get(config, "vision_config", config)
+    g = lambda k: _flops._get(v, k)  # noqa: E731
+    return TowerShape(
+        layers=g("depth"), hidden=g("hidden_size"), intermediate=g("intermediate_size"),
+        heads=g("num_heads"), kv_heads=g("num_heads"), head_dim=g("hidden_size") // g("num_heads"),
+        tokens_per_media_token=float(g("spatial_merge_size") ** 2),
+    )  # fmt: skip
+
+
+class Qwen2_5VisionPart(QwenVLSpec):
     tp_plan = QWEN2_TP_PLAN
     tp_sp_plan = QWEN2_TP_SP_PLAN
     processor_family = "qwen2_5_vl"
@@ -156,19 +174,8 @@ class Qwen2_5_VLSpec(QwenVLSpec):
         return {"per_patch": patch_in * hv + g("depth") * block + hv, "per_merged": merger}
 
     def memory_towers(self, config: Any) -> dict[str, Any]:
-        """The decoder and the ViT (SwiGLU MLP, ``spatial_merge_size²`` patches per image
-        token)."""
-        from ..._memory import TowerShape
-
-        v = _flops._get(config, "vision_config", config)
-        g = lambda k: _flops._get(v, k)  # noqa: E731
-        vision = TowerShape(
-            layers=g("depth"), hidden=g("hidden_size"), intermediate=g("intermediate_size"),
-            heads=g("num_heads"), kv_heads=g("num_heads"),
-            head_dim=g("hidden_size") // g("num_heads"),
-            tokens_per_media_token=float(g("spatial_merge_size") ** 2),
-        )  # fmt: skip
-        return {**super().memory_towers(config), "vision": vision}
+        """The decoder and the ViT (:func:`vit_tower_shape`)."""
+        return {**super().memory_towers(config), "vision": vit_tower_shape(config)}
 
     def vision_flops(self, config: Any, grid_thw: Any) -> float:
         """``6·N`` per patch (blocks, patch embed) and per merged token (merger), plus attention:

@@ -1,4 +1,4 @@
-"""Qwen3.5 (``Qwen3_5ForConditionalGeneration``): a hybrid decoder of Gated DeltaNet
+"""The Qwen3.5 part (``Qwen3_5ForConditionalGeneration``'s layout): a hybrid decoder of Gated DeltaNet
 (linear-attention) layers and gated softmax-attention layers (three to one in the released
 models), interleaved mRoPE, and a Qwen3-VL-style vision tower (learned, interpolated position
 embeddings; no deepstack) for images and video.
@@ -10,6 +10,9 @@ delta-rule recurrence restart at every sample (upstream's convolution would read
 boundaries). The decoder gets its layer masks as a prepared ``{layer type: None}`` mapping, which
 skips transformers' mask preparation (and its host read of the positions) for masks lmms never
 uses (:func:`no_mask_preparation`).
+
+:class:`HybridQwenMixin` with :class:`~lmms_models.parts.qwen3_vision.Qwen3VisionPart` is what the
+``qwen3_5`` and ``qwen3_5_moe`` families compose.
 """
 
 from __future__ import annotations
@@ -20,19 +23,17 @@ from typing import Any
 
 from torch import nn
 
-from ... import _flops
-from ..._attention import forward_pre_hook
-from ..._linear_attention import qwen3_5_packed_mixer, upstream_mixer_on_torch
-from ..._linear_spec import LinearAttentionMixin
-from ..._registry import register_model
-from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny
-from ..qwen3_vl import Qwen3VLSpec
+from .. import _flops
+from .._attention import forward_pre_hook
+from .._linear_attention import qwen3_5_packed_mixer, upstream_mixer_on_torch
+from .._linear_spec import LinearAttentionMixin
+from .._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny
+from .qwen3_vision import Qwen3VisionPart
 
 __all__ = [
-    "QWEN3_5_2B",
     "QWEN3_5_TEXT_COMMON",
     "QWEN3_5_VISION_COMMON",
-    "Qwen3_5Spec",
+    "HybridQwenMixin",
     "hybrid_lm_matmul_params",
     "no_mask_preparation",
     "tiny_qwen3_5",
@@ -169,7 +170,7 @@ class HybridQwenMixin(LinearAttentionMixin):
         """Qwen3-VL's count without deepstack mergers."""
         v = _flops._get(config, "vision_config", config)
         vd = v.to_dict() if hasattr(v, "to_dict") else dict(v)
-        return Qwen3VLSpec.vision_matmul_params(
+        return Qwen3VisionPart.vision_matmul_params(
             self,  # type: ignore[arg-type]
             {"vision_config": {**vd, "deepstack_visual_indexes": []}},
         )
@@ -202,53 +203,3 @@ QWEN3_5_VISION_COMMON: dict[str, Any] = {
     "temporal_patch_size": 2,
     "num_position_embeddings": 2304,
 }
-
-#: Qwen3.5-2B's shape (random weights; benchmarks and GPU examples), as its published config.json
-#: gives it (Qwen/Qwen3.5-2B; the values read from public copies of that file, no download): 24
-#: decoder layers, three Gated DeltaNet layers (16 key / 16 value heads) to one gated softmax
-#: layer (8 heads, 2 KV heads), width 2048, SwiGLU 6144, tied embeddings; the vision tower of the
-#: 2B and 4B checkpoints (24 layers of width 1024, MLP 4096) merged into 2048. ~1.9B parameters
-#: in the decoder with its embedding.
-QWEN3_5_2B: dict[str, Any] = {
-    "text_config": {
-        **QWEN3_5_TEXT_COMMON,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "num_hidden_layers": 24,
-        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 16,
-    },
-    "vision_config": {
-        **QWEN3_5_VISION_COMMON,
-        "depth": 24,
-        "hidden_size": 1024,
-        "intermediate_size": 4096,
-        "out_hidden_size": 2048,
-    },
-    "tie_word_embeddings": True,
-}
-
-
-@register_model("qwen3_5")
-class Qwen3_5Spec(HybridQwenMixin, Qwen3VLSpec):
-    processor_family = "qwen3_vl"  # the released checkpoints ship Qwen3-VL's processor
-    #: Liger (lmms_kernels.apply_liger): zero-centred RMSNorm weight, x * (1 + w) in fp32 (the Gated
-    #: DeltaNet mixer's gated norm and the vision tower's GELU MLP stay upstream)
-    liger_plan = {  # noqa: RUF012
-        "rms_norm": ("Qwen3_5RMSNorm",),
-        "mlp": ("Qwen3_5MLP",),
-        "rms_offset": 1.0,
-        "rms_casting": "gemma",
-    }
-    config_class = "Qwen3_5Config"
-    model_class = "Qwen3_5ForConditionalGeneration"
-    presets = {"2b": QWEN3_5_2B}  # noqa: RUF012 (read-only class table)
-
-    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        return tiny_qwen3_5(**overrides)
-
-    def lm_matmul_params(self, config: Any) -> int:
-        return hybrid_lm_matmul_params(self.text_config(config))

@@ -1,9 +1,12 @@
-"""Qwen3-VL (``Qwen3VLForConditionalGeneration``): Qwen3 decoder with interleaved mRoPE, a ViT with
+"""The Qwen3-VL part (``Qwen3VLForConditionalGeneration``'s layout): Qwen3 decoder with interleaved mRoPE, a ViT with
 full attention everywhere and learned (interpolated) position embeddings, and *deepstack*: features
 of a few ViT layers are merged and added to the hidden states of the first decoder layers at the
 visual positions. The upstream model does all of that; the packed forward only feeds it, and
 with host placeholder positions (``host_merge``) it merges the features itself without reading the
 device: the main features by ``index_copy``, deepstack by ``index_add`` (:func:`deepstack_by_index`).
+
+:class:`Qwen3VisionPart` is what the families with this layout compose (``qwen3_vl``,
+``qwen3_vl_moe``, ``qwen3_5``, ``qwen3_5_moe``, ``qwen3_omni_moe``); its defaults are Qwen3-VL's.
 """
 
 from __future__ import annotations
@@ -16,16 +19,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import _flops
-from ..._attention import forward_pre_hook
-from ..._plans import QWEN3_TP_PLAN, QWEN3_VL_TP_SP_PLAN
-from ..._registry import register_model
-from ..._spec import to_device
-from ..._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
+from .. import _flops
+from .._attention import forward_pre_hook
+from .._plans import QWEN3_TP_PLAN, QWEN3_VL_TP_SP_PLAN
+from .._spec import to_device
+from .._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
 
-__all__ = ["DEEPSTACK_KEY", "DeepstackAtPositions", "Qwen3VLSpec", "deepstack_by_index"]
+__all__ = [
+    "DEEPSTACK_KEY",
+    "QWEN3_VL_TINY",
+    "DeepstackAtPositions",
+    "Qwen3VisionPart",
+    "deepstack_by_index",
+]
 
-_TINY: dict[str, Any] = {
+QWEN3_VL_TINY: dict[str, Any] = {
     "text_config": {
         "vocab_size": 1024,
         "hidden_size": 64,
@@ -64,7 +72,7 @@ _TINY: dict[str, Any] = {
 }
 
 
-#: Keyword argument of the base model call carrying deepstack from :meth:`Qwen3VLSpec.merge_media`
+#: Keyword argument of the base model call carrying deepstack from :meth:`Qwen3VisionPart.merge_media`
 #: to the text model: a :class:`DeepstackAtPositions`. Upstream's base model hands its unknown
 #: keyword arguments on to the text model, where the hooks of :func:`deepstack_by_index` turn it
 #: into upstream's arguments (after Ulysses SP's hook has cut it to the rank's slice).
@@ -179,8 +187,7 @@ def deepstack_by_index(text_model: nn.Module) -> Iterator[None]:
             text_model._deepstack_process = own
 
 
-@register_model("qwen3_vl")
-class Qwen3VLSpec(QwenVLSpec):
+class Qwen3VisionPart(QwenVLSpec):
     tp_plan = QWEN3_TP_PLAN
     tp_sp_plan = QWEN3_VL_TP_SP_PLAN  # + sp_deepstack: deepstack on each rank's rows
     processor_family = "qwen3_vl"
@@ -193,7 +200,7 @@ class Qwen3VLSpec(QwenVLSpec):
 
     def plan_styles(self) -> dict[str, Any]:
         """``sp_deepstack`` (``tp_sp_plan``): deepstack added on each rank's rows."""
-        from ._tp_sp import SeqShardedDeepstack
+        from .qwen3_deepstack_sp import SeqShardedDeepstack
 
         return {"sp_deepstack": lambda mesh: SeqShardedDeepstack(mesh.get_group())}
 
@@ -239,7 +246,7 @@ class Qwen3VLSpec(QwenVLSpec):
         }
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        return merge_tiny(_TINY, overrides)
+        return merge_tiny(QWEN3_VL_TINY, overrides)
 
     def lm_matmul_params(self, config: Any) -> int:
         cfg = self.text_config(config)

@@ -16,14 +16,14 @@ from typing import Any
 from ... import _flops
 from ..._moe import MoESpecMixin
 from ..._registry import register_model
-from ..qwen3_5 import (
+from ...parts.qwen3_5_hybrid import (
     QWEN3_5_TEXT_COMMON,
     QWEN3_5_VISION_COMMON,
     HybridQwenMixin,
     hybrid_lm_matmul_params,
     tiny_qwen3_5,
 )
-from ..qwen3_vl import Qwen3VLSpec
+from ...parts.qwen3_vision import Qwen3VisionPart
 
 __all__ = ["QWEN3_5_35B_A3B", "Qwen3_5MoeSpec"]
 
@@ -74,7 +74,7 @@ QWEN3_5_35B_A3B: dict[str, Any] = {
 
 
 @register_model("qwen3_5_moe")
-class Qwen3_5MoeSpec(MoESpecMixin, HybridQwenMixin, Qwen3VLSpec):
+class Qwen3_5MoeSpec(MoESpecMixin, HybridQwenMixin, Qwen3VisionPart):
     processor_family = "qwen3_vl"
     #: Liger (lmms_kernels.apply_liger): as qwen3_5's; dense MLPs: the shared experts
     liger_plan = {  # noqa: RUF012

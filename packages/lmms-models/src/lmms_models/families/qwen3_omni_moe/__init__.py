@@ -7,11 +7,12 @@ construction), and a Qwen3-MoE decoder (top-k routed experts, router aux loss) w
 ``position_id_per_seconds`` kept fractional as upstream computes it; with ``use_audio_in_video``
 a video's frames and its sound track interleave token by token in TMRoPE time.
 
-Built from three existing parts, none re-implemented:
+Composed of three parts, none re-implemented:
 
-* audio, TMRoPE positions, the two-tower participation order: :class:`Qwen2_5OmniSpec`
-  (only the tower call, its host-precomputed inputs and the clip-to-token rule differ);
-* vision with deepstack at host positions: :class:`~lmms_models.families.qwen3_vl.Qwen3VLSpec`;
+* audio, TMRoPE positions, the two-tower participation order:
+  :class:`~lmms_models.parts.omni_audio.OmniAudioPart` (only the tower call, its host-precomputed
+  inputs and the clip-to-token rule differ);
+* vision with deepstack at host positions: :class:`~lmms_models.parts.qwen3_vision.Qwen3VisionPart`;
 * everything sparse: :class:`lmms_models.MoESpecMixin`.
 """
 
@@ -31,10 +32,11 @@ from ..._moe import MoESpecMixin
 from ..._registry import register_model
 from ..._spec import to_device
 from ..._vl import merge_tiny
-from ..qwen2_5_omni import Qwen2_5OmniSpec
+from ...parts.omni_audio import OmniAudioPart
+from ...parts.qwen2_5_vision import vit_tower_shape
+from ...parts.qwen3_vision import QWEN3_VL_TINY as _QWEN3_VL_TINY
+from ...parts.qwen3_vision import Qwen3VisionPart
 from ..qwen3_moe import prepared_empty_mask
-from ..qwen3_vl import _TINY as _QWEN3_VL_TINY
-from ..qwen3_vl import Qwen3VLSpec
 from ..qwen3_vl_moe import QWEN3_VL_30B_A3B
 
 __all__ = ["QWEN3_OMNI_30B_A3B", "Qwen3OmniMoeSpec", "omni3_audio_tokens"]
@@ -105,7 +107,7 @@ def omni3_audio_tokens(frames: torch.Tensor, n_window: int) -> torch.Tensor:
 
 
 @register_model("qwen3_omni_moe")
-class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
+class Qwen3OmniMoeSpec(MoESpecMixin, OmniAudioPart, Qwen3VisionPart):
     processor_family = "qwen3_omni_moe"
     #: Liger (lmms_kernels.apply_liger): decoder norms (incl. q/k) and the final norm; the towers'
     #: LayerNorm/GELU stay upstream
@@ -127,15 +129,23 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
     presets = {"30b_a3b": QWEN3_OMNI_30B_A3B}  # noqa: RUF012
     audio_in_video = "tokens"
 
-    # Qwen3-VL's vision side (the MRO would otherwise reach Qwen2.5-VL's first).
-    host_vision_inputs = Qwen3VLSpec.host_vision_inputs
-    vision_matmul_params = Qwen3VLSpec.vision_matmul_params
-    vision_flops = Qwen3VLSpec.vision_flops
+    #: the pack's grids and token types stay on the host (Qwen3-VL's host vision inputs); the
+    #: audio lengths are read to the host where used (as before the parts split)
+    host_keys = Qwen3VisionPart.host_keys
+
+    def memory_towers(self, config: Any) -> dict[str, Any]:
+        """The decoder and the ViT counted as a SwiGLU tower of its shape (:func:`vit_tower_shape`,
+        the count this family had before the parts split; its ViT's MLP is GELU: a slight
+        over-count of the ViT's activations)."""
+        return {**super().memory_towers(config), "vision": vit_tower_shape(config)}
 
     @contextlib.contextmanager
     def media_context(self, model: nn.Module) -> Iterator[None]:
         """Qwen3-VL's (tower hook, deepstack by index) and the empty prepared mask."""
-        with Qwen3VLSpec.media_context(self, model), prepared_empty_mask(self.text_model(model)):
+        with (
+            Qwen3VisionPart.media_context(self, model),
+            prepared_empty_mask(self.text_model(model)),
+        ):
             yield
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
@@ -198,7 +208,7 @@ class Qwen3OmniMoeSpec(MoESpecMixin, Qwen2_5OmniSpec, Qwen3VLSpec):
     def media_flops(self, config: Any, batch: dict[str, Any]) -> float:
         """Vision (Qwen3-VL) plus the audio tower at ``6·N`` per output token over its matrix
         parameters (the convolutions counted per output position they produce)."""
-        total = Qwen3VLSpec.media_flops(self, config, batch)
+        total = Qwen3VisionPart.media_flops(self, config, batch)
         lens = batch.get("audio_feature_lens")
         if lens is None or not len(lens):
             return total

@@ -2,7 +2,7 @@
 over a Qwen3-MoE text decoder (top-k routed SwiGLU experts stored as 3-D tensors).
 
 Everything visual (host-precomputed tower inputs, media merged at host positions, deepstack by
-index) is :class:`~lmms_models.families.qwen3_vl.Qwen3VLSpec`'s; everything sparse (router
+index) is :class:`~lmms_models.parts.qwen3_vision.Qwen3VisionPart`'s; everything sparse (router
 load-balancing loss in the packed forward, experts on grouped GEMMs through transformers'
 experts registry, the expert-parallel plan, the expert-load meter) is
 :class:`lmms_models.MoESpecMixin`'s. The processor is Qwen3-VL's.
@@ -15,8 +15,8 @@ from typing import Any
 from ..._moe import MoESpecMixin
 from ..._registry import register_model
 from ..._vl import merge_tiny
-from ..qwen3_vl import _TINY as _QWEN3_VL_TINY
-from ..qwen3_vl import Qwen3VLSpec
+from ...parts.qwen3_vision import QWEN3_VL_TINY as _QWEN3_VL_TINY
+from ...parts.qwen3_vision import Qwen3VisionPart
 
 __all__ = ["QWEN3_VL_30B_A3B", "Qwen3VLMoeSpec"]
 
@@ -90,7 +90,7 @@ QWEN3_VL_30B_A3B: dict[str, Any] = {
 
 
 @register_model("qwen3_vl_moe")
-class Qwen3VLMoeSpec(MoESpecMixin, Qwen3VLSpec):
+class Qwen3VLMoeSpec(MoESpecMixin, Qwen3VisionPart):
     processor_family = "qwen3_vl"
     #: Liger (lmms_kernels.apply_liger): dense MLPs only where a layer is dense (often none)
     liger_plan = {  # noqa: RUF012

@@ -1,0 +1,17 @@
+"""Parts that model families are composed from (issue 35, DESIGN "The family contract").
+
+A family is parts + presets + checkpoint names: it subclasses the parts it is made of and
+registers itself; it never subclasses or imports the private names of a sibling family
+(``tests/test_family_parts.py`` checks). The parts:
+
+* :mod:`.qwen3_vision`: the Qwen3-VL layout (Qwen3 decoder with interleaved mRoPE, the ViT with
+  learned position embeddings and deepstack at host positions; :mod:`.qwen3_deepstack_sp`: its
+  sequence-parallel TP style);
+* :mod:`.qwen2_5_vision`: the Qwen2.5-VL windowed ViT (host-precomputed windows) on a Qwen2 decoder;
+* :mod:`.omni_audio`: the Omni thinker's audio tower, TMRoPE positions and the two-tower order;
+* :mod:`.audio_lm`: an audio encoder + projector + text decoder (Qwen2-Audio's layout);
+* :mod:`.text`: small text-decoder pieces (tiny text configs, the empty prepared mask).
+
+Generic parts live beside them in the package root: ``_vl`` (Qwen-VL media merge), ``_audio``,
+``_moe`` (the MoE mixin), ``_linear_spec`` (hybrid linear attention), ``_diffusion``.
+"""
