@@ -97,6 +97,12 @@ def test_lora_muon_groups_and_qlora_on_cpu(tiny_inputs, base_folder, tmp_path, c
     other = [names[id(p)] for g in opt.param_groups if not g["use_muon"] for p in g["params"]]
     assert len(muon) == 2 * len(built.adapter.targets) and not other
     assert all(".lora_A." in n or ".lora_B." in n for n in muon)
+    # the memory plan counts what trains: the adapters, not the frozen base
+    from lmms_train._memory import model_facts
+
+    facts = model_facts(cfg, spec)
+    assert facts.trainable == sum(p.numel() for p in built.model.parameters() if p.requires_grad)
+    assert facts.total > 10 * facts.trainable
 
     # what LoRA does not compose with is refused before the build, each with its reason
     from lmms_train._errors import ConfigError

@@ -144,8 +144,9 @@ class MemoryPlan:
 
 # ---------------------------------------------------------------- the model, on meta
 def model_facts(cfg: TrainConfig, spec: Any, token_ids: dict[str, Any] | None = None) -> ModelFacts:
-    """Build the configured model on the meta device (no memory, no GPU), freeze as configured,
-    and count its parameters by part."""
+    """Build the configured model on the meta device (no memory, no GPU), add its LoRA adapters
+    and freeze as configured, and count its parameters by part (a QLoRA base is counted at its
+    compute dtype: an overestimate)."""
     from lmms_train._model_setup import _freeze, model_config_dict
 
     m = cfg.model_config
@@ -156,6 +157,9 @@ def model_facts(cfg: TrainConfig, spec: Any, token_ids: dict[str, Any] | None = 
         model = spec.build(
             pretrained=m.load_from_pretrained_path, device="meta", attn_backend="sdpa"
         )
+    from lmms_train._lora_setup import apply_model_lora
+
+    apply_model_lora(cfg, spec, model)  # LoRA: the base frozen, the adapters trainable
     _freeze(model, spec, cfg.trainer_args.freeze)
     params = list(model.parameters())
     try:
