@@ -27,6 +27,7 @@ from .._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
 
 __all__ = [
     "DEEPSTACK_KEY",
+    "QWEN3_VL_30B_A3B",
     "QWEN3_VL_TINY",
     "DeepstackAtPositions",
     "Qwen3VisionPart",
@@ -71,6 +72,60 @@ QWEN3_VL_TINY: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+
+#: Qwen3-VL-30B-A3B's shape (random weights: benchmarks and GPU examples; the ``qwen3_vl_moe``
+#: preset, and the decoder and ViT of ``qwen3_omni_moe``'s). 48 decoder layers of
+#: 128 experts (8 active, 768 wide), hidden 2048, 32 heads / 4 KV heads of 128; the 27-layer
+#: ViT of Qwen3-VL with deepstack at layers 8, 16, 24. 31.1B parameters; 3.0B LM matmul parameters
+#: active per token (lm_matmul_params).
+QWEN3_VL_30B_A3B: dict[str, Any] = {
+    "text_config": {
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 262144,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.001,
+        "use_cache": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    "vision_config": {
+        "depth": 27,
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_heads": 16,
+        "out_hidden_size": 2048,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [8, 16, 24],
+        "in_channels": 3,
+    },
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "tie_word_embeddings": False,
+}
 
 #: Keyword argument of the base model call carrying deepstack from :meth:`Qwen3VisionPart.merge_media`
 #: to the text model: a :class:`DeepstackAtPositions`. Upstream's base model hands its unknown

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..._registry import register_model
-from ..qwen2_audio import AudioLMSpec
+from ...parts.audio_lm import AudioLMSpec
 from ._model import AeroConfig, AeroForConditionalGeneration
 
 __all__ = ["AERO_1_5B", "AeroConfig", "AeroForConditionalGeneration", "AeroSpec"]

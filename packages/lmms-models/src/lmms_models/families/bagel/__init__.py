@@ -181,7 +181,7 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
         (posterior mean, ``(z - shift_factor) * scaling_factor`` as the FLUX VAE is used), the
         pixel-space stand-in, or None without either (``pack_samples(encode=...)``)."""
         from ..._diffusion import encoders_of
-        from ..sit import encode_latents
+        from ...parts.latent import encode_latents
 
         if getattr(model, "pixel_space_vae", False):
             return pixel_space_latents(_cfg(model).vae_downsample)

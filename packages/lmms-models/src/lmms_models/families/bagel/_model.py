@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sit._model import sincos_2d
+from ...parts.latent import sincos_2d
 from ._mask import PackLayout, span_attention
 
 __all__ = [

@@ -19,8 +19,7 @@ from ... import _flops
 from ..._plans import QWEN2_TP_PLAN
 from ..._registry import register_model
 from ..._spec import ModelSpec
-from ..qwen2 import tiny_text
-from ..qwen3_moe import prepared_empty_mask
+from ...parts.text import prepared_empty_mask, tiny_text
 
 __all__ = ["LlamaSpec"]
 

@@ -1,9 +1,9 @@
-"""Qwen2.5 dense decoder: the Qwen2 architecture (``Qwen2ForCausalLM``) with its own presets."""
+"""Qwen2.5 dense decoder: the Qwen2 decoder part (``Qwen2ForCausalLM``) with its own presets."""
 
 from __future__ import annotations
 
 from ..._registry import register_model
-from ..qwen2 import Qwen2Spec
+from ...parts.text import Qwen2DecoderPart
 
 __all__ = ["Qwen2_5Spec"]
 
@@ -35,7 +35,7 @@ QWEN2_5_1_5B = {
 
 
 @register_model("qwen2_5")
-class Qwen2_5Spec(Qwen2Spec):
+class Qwen2_5Spec(Qwen2DecoderPart):
     processor_family = "qwen2_5"
     liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
     presets = {"1.5b": QWEN2_5_1_5B, "3b": QWEN2_5_3B}  # noqa: RUF012

@@ -9,7 +9,7 @@ from ... import _flops
 from ..._plans import QWEN3_TP_PLAN, QWEN3_TP_SP_PLAN
 from ..._registry import register_model
 from ..._spec import ModelSpec
-from ..qwen2 import tiny_text
+from ...parts.text import tiny_text
 
 __all__ = ["Qwen3Spec"]
 

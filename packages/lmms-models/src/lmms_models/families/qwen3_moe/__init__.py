@@ -28,44 +28,17 @@ meter are shared with the other MoE families (:mod:`lmms_models._moe`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
 from ... import _flops
-from ..._attention import forward_pre_hook
 from ..._moe import MoESpecMixin
 from ..._registry import register_model
 from ..._spec import ModelSpec
-from ..qwen2 import tiny_text
+from ...parts.text import PREPARED_MASK_SHAPE, prepared_empty_mask, tiny_text
 
-__all__ = ["Qwen3MoeSpec"]
-
-#: The "prepared" attention mask the packed forward gives the decoder: upstream returns a 4-D
-#: mask as-is and hands it to every attention call, where lmms varlen attention ignores it (the
-#: pack's ``cu_seq_lens_q/k`` define the segments). Empty, so nothing is allocated, and any
-#: attention that would use it (upstream eager/SDPA) fails on its shape instead of attending
-#: across samples.
-PREPARED_MASK_SHAPE = (1, 1, 0, 0)
-
-
-@contextlib.contextmanager
-def prepared_empty_mask(text_model: nn.Module) -> Iterator[None]:
-    """While active, a call of ``text_model`` with the pack's ``cu_seq_lens_q`` (varlen attention)
-    and no ``attention_mask`` gets the empty prepared mask, so transformers skips its mask
-    preparation and the packed-sequence search it does there (a host read of ``position_ids``)."""
-
-    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        cu = kwargs.get("cu_seq_lens_q")
-        if cu is None or kwargs.get("attention_mask") is not None:
-            return args, kwargs
-        mask = torch.empty(PREPARED_MASK_SHAPE, dtype=torch.bool, device=cu.device)
-        return args, {**kwargs, "attention_mask": mask}
-
-    with forward_pre_hook(text_model, hook):
-        yield
+__all__ = ["PREPARED_MASK_SHAPE", "Qwen3MoeSpec", "prepared_empty_mask"]
 
 
 @register_model("qwen3_moe")

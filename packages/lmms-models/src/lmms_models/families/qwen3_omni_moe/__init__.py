@@ -34,10 +34,9 @@ from ..._spec import to_device
 from ..._vl import merge_tiny
 from ...parts.omni_audio import OmniAudioPart
 from ...parts.qwen2_5_vision import vit_tower_shape
+from ...parts.qwen3_vision import QWEN3_VL_30B_A3B, Qwen3VisionPart
 from ...parts.qwen3_vision import QWEN3_VL_TINY as _QWEN3_VL_TINY
-from ...parts.qwen3_vision import Qwen3VisionPart
-from ..qwen3_moe import prepared_empty_mask
-from ..qwen3_vl_moe import QWEN3_VL_30B_A3B
+from ...parts.text import prepared_empty_mask
 
 __all__ = ["QWEN3_OMNI_30B_A3B", "Qwen3OmniMoeSpec", "omni3_audio_tokens"]
 

@@ -22,6 +22,7 @@ from torch import nn
 from ..._capabilities import RenderRequest, Renders
 from ..._diffusion import DiffusionSpec, call_denoiser, on_device
 from ..._registry import register_model
+from ...parts.latent import encode_latents
 from ._model import SiT, SiTBlock, SiTConfig, sincos_2d, timestep_features
 
 __all__ = ["SiT", "SiTBlock", "SiTConfig", "SiTSpec", "sincos_2d", "timestep_features"]
@@ -157,14 +158,3 @@ class SiTSpec(DiffusionSpec, Renders):
         h = config.hidden_size
         per_sample = 256 * h + h * h + config.depth * 6 * h * h + 2 * h * h
         return 6.0 * per_sample * len(seq_lens)
-
-
-def encode_latents(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    """Latents of ``pixels [B, 3, H, W]`` in [-1, 1] through a diffusers ``AutoencoderKL``: the
-    posterior mean (deterministic: a resumed run sees the same latents) times the VAE's
-    ``scaling_factor`` (SD VAE: 0.18215), shifted by ``shift_factor`` when it has one."""
-    with torch.no_grad():
-        dist = vae.encode(pixels.to(next(vae.parameters()).dtype)).latent_dist
-        z = dist.mean.float()
-    shift = getattr(vae.config, "shift_factor", None) or 0.0
-    return (z - shift) * vae.config.scaling_factor

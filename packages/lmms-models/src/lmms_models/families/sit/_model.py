@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...parts.latent import sincos_2d
+
 __all__ = ["SiT", "SiTBlock", "SiTConfig", "sincos_2d", "timestep_features"]
 
 
@@ -61,20 +63,6 @@ def timestep_features(t: torch.Tensor, dim: int = 256, max_period: float = 10000
     freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device) / half)
     args = t.float()[:, None] * freqs[None]  # [B, half]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-
-
-def sincos_2d(dim: int, gh: int, gw: int, device: Any = None) -> torch.Tensor:
-    """Fixed 2-D sin-cos position table ``[gh * gw, dim]`` (row-major patches): the first half of
-    the channels encodes the column, the second half the row (DiT/MAE layout)."""
-
-    def one_d(d: int, pos: torch.Tensor) -> torch.Tensor:
-        omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64, device=device) / (d / 2))
-        out = pos.double()[:, None] * omega[None]  # [N, d/2]
-        return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
-
-    rows = torch.arange(gh, device=device).repeat_interleave(gw)
-    cols = torch.arange(gw, device=device).repeat(gh)
-    return torch.cat([one_d(dim // 2, cols), one_d(dim // 2, rows)], dim=1).float()
 
 
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
