@@ -9,10 +9,8 @@ to per-rank JSON files the tests read. One spawn per world size runs every scena
 
 from __future__ import annotations
 
-import json
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ from torch import nn
 import lmms_parallel as lp
 from lmms_models import get_model_spec
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
+from lmms_parallel.testing import init_gloo
 
 STEPS = 3
 CKPT_STEP = 2  # scenarios with a checkpoint save after this step and resume from it
@@ -504,18 +503,10 @@ WORLD_2 = ["ep_zero_tokens", "muon_tp_exact", "vocab_parallel_ce", "sp_deepstack
 WORLD_4 = ["ep4_moe", "fsdp2_ep2_vl", "tp2_fsdp2_qwen3"]
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=120),
-    )  # fmt: skip
-
-
-def run(rank: int, world: int, ports: list[int], out_dir: str, names: list[str]) -> None:
-    """Every scenario of ``names`` on a ``world``-rank group; then, where scenarios asked for
-    it, ranks 0 and 1 form a new 2-rank group (``ports[1]``) and resume their checkpoints."""
-    torch.set_num_threads(1)
-    _init(rank, world, ports[0])
+def run(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> dict[str, Any]:
+    """Every scenario of ``names`` on the spawn's ``world``-rank group; then, where scenarios
+    asked for it, ranks 0 and 1 form a new 2-rank group (store on ``port``) and resume their
+    checkpoints."""
     results: dict[str, Any] = {}
 
     def attempt(name: str, fn: Any) -> Any:
@@ -526,32 +517,28 @@ def run(rank: int, world: int, ports: list[int], out_dir: str, names: list[str])
             print(f"rank {rank} {name}:", error, flush=True)
             return {"error": error}
 
-    try:
-        for name in names:
-            kwargs = dict(SCENARIOS[name] or {})
-            if SCENARIOS[name] is None:
-                results[name] = attempt(name, lambda n=name: globals()[n](Path(out_dir)))
-            else:
-                t0 = time.perf_counter()
-                for key in ("ckpt", "export"):
-                    if kwargs.pop(key, False):
-                        kwargs[key + "_dir"] = Path(out_dir, f"{key}_{name}")
-                results[name] = attempt(name, lambda kw=kwargs, n=name: run_case(**kw, scenario=n))
-                if "seconds" in results[name]:
-                    results[name]["seconds"]["total"] = time.perf_counter() - t0
-            dist.barrier()
-        if any(SCENARIOS[n] and "regroup" in SCENARIOS[n] for n in names):
-            dist.destroy_process_group()
-            if rank < 2:
-                _init(rank, 2, ports[1])
-                for name in names:
-                    if name in _REGROUP:
-                        fn = lambda n=name: resume_regrouped(**_REGROUP[n])  # noqa: E731
-                        t0 = time.perf_counter()
-                        results[name]["regrouped"] = attempt(name, fn)
-                        results[name]["seconds"]["regroup"] = time.perf_counter() - t0
-                        dist.barrier()
-    finally:
-        Path(out_dir, f"ep_tp_rank{rank}.json").write_text(json.dumps(results))
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    for name in names:
+        kwargs = dict(SCENARIOS[name] or {})
+        if SCENARIOS[name] is None:
+            results[name] = attempt(name, lambda n=name: globals()[n](Path(out_dir)))
+        else:
+            t0 = time.perf_counter()
+            for key in ("ckpt", "export"):
+                if kwargs.pop(key, False):
+                    kwargs[key + "_dir"] = Path(out_dir, f"{key}_{name}")
+            results[name] = attempt(name, lambda kw=kwargs, n=name: run_case(**kw, scenario=n))
+            if "seconds" in results[name]:
+                results[name]["seconds"]["total"] = time.perf_counter() - t0
+        dist.barrier()
+    if any(SCENARIOS[n] and "regroup" in SCENARIOS[n] for n in names):
+        dist.destroy_process_group()
+        if rank < 2:
+            init_gloo(rank, 2, port, timeout_s=120)
+            for name in names:
+                if name in _REGROUP:
+                    fn = lambda n=name: resume_regrouped(**_REGROUP[n])  # noqa: E731
+                    t0 = time.perf_counter()
+                    results[name]["regrouped"] = attempt(name, fn)
+                    results[name]["seconds"]["regroup"] = time.perf_counter() - t0
+                    dist.barrier()
+    return results

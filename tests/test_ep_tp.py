@@ -28,8 +28,6 @@ whole-matrix path for TP shards is checked on its own (``muon_tp_exact``: bit-id
 
 from __future__ import annotations
 
-import json
-import socket
 import sys
 from pathlib import Path
 
@@ -42,15 +40,11 @@ pytestmark = pytest.mark.multiprocess
 
 def _spawn(world: int, names: list[str], out: Path) -> list[dict]:
     import _ep_tp_workers as W
-    import torch.multiprocessing as mp
 
-    ports = []
-    for _ in range(2):  # the spawn's group, and the 2-rank group resuming 4-rank checkpoints
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    mp.spawn(W.run, args=(world, ports, str(out), names), nprocs=world, join=True)
-    return [json.loads((out / f"ep_tp_rank{r}.json").read_text()) for r in range(world)]
+    from lmms_parallel.testing import free_port, spawn_ranks
+
+    # free_port(): the 2-rank group resuming 4-rank checkpoints
+    return spawn_ranks(W.run, world, free_port(), str(out), names, timeout_s=120)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from lmms_parallel.testing import full_grads
+
 SOI, EOI = 1, 2  # start / end of image markers inside the tiny vocabulary
 
 
@@ -84,12 +86,7 @@ def loss_grads(spec: Any, model: Any, batch: dict[str, Any], total: float = 1.0,
     model.zero_grad(set_to_none=True)
     out = obj.loss(spec, model, batch, ObjectiveContext(seed=seed))
     (out.loss_sum / total).backward()
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        if g is not None and hasattr(g, "full_tensor"):
-            g = g.full_tensor()
-        grads[n] = torch.zeros_like(p) if g is None else g.detach().clone()
+    grads = full_grads(model, zeros_for_missing=True)
     sums = {k: float(v[0]) for k, v in out.metrics.items() if k in ("ce", "fm")}
     return float(out.loss_sum.detach()), sums, grads
 

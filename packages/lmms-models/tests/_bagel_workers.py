@@ -4,15 +4,14 @@ understanding + generation samples, rank 1 editing + text: each rank's experts s
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lmms_parallel.testing import run_cases
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -57,16 +56,6 @@ def _sp_case() -> dict[str, Any]:
     return {"loss": float(out.loss_sum), "loss_1proc": ref_loss, "worst": cases.worst(ref, grads)}
 
 
-def run(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    res: dict[str, Any] = {}
-    for key, fn in (("sp", _sp_case), ("fsdp", lambda: _case(rank))):
-        try:
-            res[key] = fn()
-        except Exception:
-            res[key] = {"error": traceback.format_exc()}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    dist.destroy_process_group()
+def run(rank: int, world: int) -> dict[str, Any]:
+    """Both cases on this rank (lmms_parallel.testing.spawn_ranks runs it)."""
+    return run_cases([("sp", _sp_case), ("fsdp", lambda: _case(rank))])

@@ -3,13 +3,12 @@ ranks == 1 process (sit, wan), losses and gradients, on CPU with gloo. One spawn
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lmms_parallel.testing import full_grads, run_cases
 
 
 def _batch(name: str, n: int) -> dict[str, Any]:
@@ -58,12 +57,7 @@ def _loss_grads(spec, model, obj, batch, sp_group=None) -> tuple[float, dict[str
     model.zero_grad(set_to_none=True)
     out = obj.loss(spec, model, batch, ObjectiveContext(seed=4, sp_group=sp_group))
     (out.loss_sum / 4.0).backward()  # global count: 4 samples
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad
-        if g is not None and hasattr(g, "full_tensor"):
-            g = g.full_tensor()
-        grads[n] = torch.zeros_like(p) if g is None else g.detach().clone()
+    grads = full_grads(model, zeros_for_missing=True)
     return float(out.loss_sum.detach()), grads
 
 
@@ -147,19 +141,9 @@ def _spec(name: str):
     return get_model_spec(name)
 
 
-def run(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    res: dict[str, Any] = {}
-    for key, fn in (("sp/wan", lambda: _sp_case("wan", dist.group.WORLD)),
-                    ("fsdp/sit", lambda: _fsdp_case("sit", rank)),
-                    ("fsdp/wan", lambda: _fsdp_case("wan", rank)),
-                    ("encoders/wan", lambda: _encoder_case(rank))):  # fmt: skip
-        try:
-            res[key] = fn()
-        except Exception:
-            res[key] = {"error": traceback.format_exc()}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    dist.destroy_process_group()
+def run(rank: int, world: int) -> dict[str, Any]:
+    """Every case on this rank (lmms_parallel.testing.spawn_ranks runs it)."""
+    return run_cases([("sp/wan", lambda: _sp_case("wan", dist.group.WORLD)),
+                      ("fsdp/sit", lambda: _fsdp_case("sit", rank)),
+                      ("fsdp/wan", lambda: _fsdp_case("wan", rank)),
+                      ("encoders/wan", lambda: _encoder_case(rank))])  # fmt: skip

@@ -8,16 +8,12 @@
   pack; the loss is normalised by the global token count, so the ranks' summed gradients must
   equal the single process's gradients on both packs.
 
-Results go to per-rank JSON files the tests read.
+Each rank returns its results to the tests.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-from datetime import timedelta
-from pathlib import Path
+import functools
 from typing import Any
 
 import torch
@@ -26,6 +22,7 @@ import torch.distributed as dist
 import lmms_parallel as lp
 from lmms_models import get_model_spec
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
+from lmms_parallel.testing import full_grads, run_cases
 
 FAMILIES = ["qwen3_5", "fla_gated_deltanet", "qwen3_5_moe"]
 
@@ -46,15 +43,6 @@ def _pack(spec, model, seed: int):
     return pack_samples(spec, model, samples, pad_to=total + 1 + total % 2)  # odd length
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, p in model.named_parameters():
-        if p.grad is not None:
-            g = p.grad
-            out[k] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return out
-
-
 def _worst(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     return max(float((got[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-6)) for k in ref)
 
@@ -64,14 +52,14 @@ def sp_scenario(name: str, group: Any) -> dict[str, Any]:
     batch = _pack(spec, model, 0)
     loss, count = spec.packed_forward(model, batch)
     (loss / count).backward()
-    ref, ref_loss = _grads(model), float(loss / count)
+    ref, ref_loss = full_grads(model), float(loss / count)
     model.zero_grad(set_to_none=True)
     spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
     assert all(m._lmms_mixer.sp_group is group for m in spec.linear_mixers(model))
     with lp.SequenceParallel(spec.sp_slice_module(model), group):
         loss, count = spec.packed_forward(model, batch, sp_group=group)
         (loss / count).backward()
-    grads = _grads(model)
+    grads = full_grads(model)
     for g in grads.values():
         dist.all_reduce(g, group=group)
     return {
@@ -94,7 +82,7 @@ def fsdp_scenario(name: str, rank: int) -> dict[str, Any]:
         loss, _ = spec.packed_forward(model, batch)
         (loss / n_all).backward()
         total += float(loss)
-    ref = _grads(model)
+    ref = full_grads(model)
     model.zero_grad(set_to_none=True)
     blocks = spec.vision_blocks(model) + spec.decoder_blocks(model)
     lp.apply_activation_checkpointing(blocks, "full")
@@ -110,7 +98,7 @@ def fsdp_scenario(name: str, rank: int) -> dict[str, Any]:
     (loss / n_all).backward()
     summed = loss.detach().clone()
     dist.all_reduce(summed)
-    grads = _grads(model)
+    grads = full_grads(model)
     return {
         "loss_1proc": total / n_all,
         "loss": float(summed) / n_all,
@@ -119,19 +107,10 @@ def fsdp_scenario(name: str, rank: int) -> dict[str, Any]:
     }
 
 
-def run(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=240))
-    results: dict[str, Any] = {}
-    try:
-        for name in FAMILIES:
-            for label, fn in (("sp2", lambda n: sp_scenario(n, dist.group.WORLD)),
-                              ("fsdp2_ac", lambda n: fsdp_scenario(n, rank))):  # fmt: skip
-                try:
-                    results[f"{name}/{label}"] = fn(name)
-                except Exception:
-                    results[f"{name}/{label}"] = {"error": traceback.format_exc()}
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+def run(rank: int, world: int) -> dict[str, Any]:
+    """Every scenario on this rank (lmms_parallel.testing.spawn_ranks runs it)."""
+    cases = []
+    for name in FAMILIES:
+        cases.append((f"{name}/sp2", functools.partial(sp_scenario, name, dist.group.WORLD)))
+        cases.append((f"{name}/fsdp2_ac", functools.partial(fsdp_scenario, name, rank)))
+    return run_cases(cases)

@@ -7,7 +7,6 @@ and Ulysses SP 2 == 1 (gloo); the FLUX-layout VAE loads into diffusers' Autoenco
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -264,20 +263,13 @@ def test_registry_hooks(tiny):
     assert spec.default_objective == "ce_flow_matching"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory) -> list[dict]:
+def spawned() -> list[dict]:
     import _bagel_workers
-    import torch.multiprocessing as mp
 
-    out = tmp_path_factory.mktemp("bagel_parallel")
-    mp.spawn(_bagel_workers.run, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    from lmms_parallel.testing import spawn_ranks
+
+    return spawn_ranks(_bagel_workers.run, 2)
 
 
 @pytest.mark.multiprocess

@@ -4,8 +4,6 @@ positions over a token split inside a frame), FSDP2 on 2 ranks == 1 process for 
 
 from __future__ import annotations
 
-import json
-import socket
 import sys
 from pathlib import Path
 
@@ -16,22 +14,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 pytest.importorskip("diffusers")
 import _diffusion_workers
 
+from lmms_parallel.testing import spawn_ranks
+
 pytestmark = pytest.mark.multiprocess
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("diffusion_parallel")
-    mp.spawn(_diffusion_workers.run, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def results() -> list[dict]:
+    return spawn_ranks(_diffusion_workers.run, 2)
 
 
 def test_wan_ulysses_sp2_equals_sp1(results) -> None:

@@ -3,8 +3,6 @@ checkpointing) equal one process: loss and gradients (gloo on CPU; see _linear_w
 
 from __future__ import annotations
 
-import json
-import socket
 import sys
 from pathlib import Path
 
@@ -14,22 +12,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import _linear_workers
 
+from lmms_parallel.testing import spawn_ranks
+
 pytestmark = pytest.mark.multiprocess
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("linear_parallel")
-    mp.spawn(_linear_workers.run, args=(2, _port(), str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def results() -> list[dict]:
+    return spawn_ranks(_linear_workers.run, 2)
 
 
 @pytest.mark.parametrize("name", _linear_workers.FAMILIES)

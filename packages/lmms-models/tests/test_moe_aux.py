@@ -9,19 +9,16 @@ Upstream adds ``router_aux_loss_coef · load_balancing_loss_func(...)`` to its l
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lmms_models import IGNORE_INDEX, get_model_spec
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
+from lmms_parallel.testing import spawn_ranks
 
 COEF = 0.01
 SP_COEF = 1.0
@@ -162,70 +159,63 @@ def test_pack_of_several_samples_matches_padded_upstream_batch():
 # ---------------------------------------------------------------- Ulysses SP (2 gloo ranks)
 
 
-def _sp_worker(rank, world, port, result_path):
+def _sp_worker(rank, world, result_path):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from lmms_parallel import SequenceParallel, UlyssesAttention
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    spec, model = _model(aux=True, coef=SP_COEF)  # large: slice vs whole-row aux stand out
+    gen = torch.Generator().manual_seed(3)
+    samples = [
+        make_sample(spec, model.config, SampleSpec(text=t, prompt=2), gen=gen) for t in (9, 8)
+    ]
+    batch = pack_samples(spec, model, samples, pad_to=20)  # 17 real tokens, 3 padding
+    spec.set_attention(model, backend="varlen_sdpa")
+
+    # One process, whole row: the LM-only sum and every layer's router logits [T, E].
+    gates = [layer.mlp.gate for layer in spec.decoder_blocks(model)]
+    logits: list[torch.Tensor] = []
+    hooks = [g.register_forward_hook(lambda _m, _a, o: logits.append(o[0])) for g in gates]
+    model.config.output_router_logits = False
+    with torch.no_grad():
+        lm_sum, n_all = spec.packed_forward(model, batch)
+        model.config.output_router_logits = True
+        whole_row, _ = spec.packed_forward(model, batch)
+    for h in hooks:
+        h.remove()
+    logits = logits[: len(gates)]
+
+    # Expected under SP: each rank's aux on its slice (real tokens only), weighted by its
+    # loss-token count, summed over the ranks.
+    chunk = batch["input_ids"].numel() // world
+    real = torch.arange(batch["input_ids"].numel()) < 17
+    expected = lm_sum.clone()
+    for r in range(world):
+        sl = slice(r * chunk, (r + 1) * chunk)
+        aux_r = load_balancing_loss_func(tuple(x[sl] for x in logits), 4, 2, real[sl].float()[None])
+        n_r = int((batch["shift_labels"][sl] != IGNORE_INDEX).sum())
+        expected = expected + SP_COEF * aux_r * n_r
+
+    group = dist.new_group(list(range(world)))
+    handle = SequenceParallel(spec.sp_slice_module(model), group).install()
+    spec.set_attention(model, backend="varlen_sdpa", wrapper=UlyssesAttention(group))
     try:
-        spec, model = _model(aux=True, coef=SP_COEF)  # large: slice vs whole-row aux stand out
-        gen = torch.Generator().manual_seed(3)
-        samples = [
-            make_sample(spec, model.config, SampleSpec(text=t, prompt=2), gen=gen) for t in (9, 8)
-        ]
-        batch = pack_samples(spec, model, samples, pad_to=20)  # 17 real tokens, 3 padding
-        spec.set_attention(model, backend="varlen_sdpa")
-
-        # One process, whole row: the LM-only sum and every layer's router logits [T, E].
-        gates = [layer.mlp.gate for layer in spec.decoder_blocks(model)]
-        logits: list[torch.Tensor] = []
-        hooks = [g.register_forward_hook(lambda _m, _a, o: logits.append(o[0])) for g in gates]
-        model.config.output_router_logits = False
         with torch.no_grad():
-            lm_sum, n_all = spec.packed_forward(model, batch)
-            model.config.output_router_logits = True
-            whole_row, _ = spec.packed_forward(model, batch)
-        for h in hooks:
-            h.remove()
-        logits = logits[: len(gates)]
-
-        # Expected under SP: each rank's aux on its slice (real tokens only), weighted by its
-        # loss-token count, summed over the ranks.
-        chunk = batch["input_ids"].numel() // world
-        real = torch.arange(batch["input_ids"].numel()) < 17
-        expected = lm_sum.clone()
-        for r in range(world):
-            sl = slice(r * chunk, (r + 1) * chunk)
-            aux_r = load_balancing_loss_func(
-                tuple(x[sl] for x in logits), 4, 2, real[sl].float()[None]
-            )
-            n_r = int((batch["shift_labels"][sl] != IGNORE_INDEX).sum())
-            expected = expected + SP_COEF * aux_r * n_r
-
-        group = dist.new_group(list(range(world)))
-        handle = SequenceParallel(spec.sp_slice_module(model), group).install()
-        spec.set_attention(model, backend="varlen_sdpa", wrapper=UlyssesAttention(group))
-        try:
-            with torch.no_grad():
-                sp_sum, sp_n = spec.packed_forward(model, batch, sp_group=group)
-        finally:
-            handle.remove()
-        torch.save(
-            {
-                "sp_sum": sp_sum,
-                "sp_n": sp_n,
-                "expected": expected,
-                "n_all": n_all,
-                "whole_row": whole_row,
-                "lm_sum": lm_sum,
-            },
-            f"{result_path}.{rank}",
-        )
+            sp_sum, sp_n = spec.packed_forward(model, batch, sp_group=group)
     finally:
-        dist.destroy_process_group()
+        handle.remove()
+    torch.save(
+        {
+            "sp_sum": sp_sum,
+            "sp_n": sp_n,
+            "expected": expected,
+            "n_all": n_all,
+            "whole_row": whole_row,
+            "lm_sum": lm_sum,
+        },
+        f"{result_path}.{rank}",
+    )
+    return {}
 
 
 @pytest.mark.multiprocess
@@ -236,12 +226,8 @@ def test_sp2_aux_is_token_weighted_mean_of_slice_aux(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     import test_moe_aux
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     world = 2
-    worker = test_moe_aux._sp_worker
-    mp.spawn(worker, args=(world, port, str(tmp_path / "res")), nprocs=world, join=True)
+    spawn_ranks(test_moe_aux._sp_worker, world, str(tmp_path / "res"), timeout_s=60)
     for rank in range(world):
         r = torch.load(tmp_path / f"res.{rank}")
         assert int(r["sp_n"]) == int(r["n_all"])

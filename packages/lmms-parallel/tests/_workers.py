@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import _tiny as T
@@ -103,26 +100,18 @@ def adamw(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 
 
-def _run(rank, world, port, out_dir, scenarios):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=240))
+def _run(out_dir, scenarios):
+    """The scenarios in order, all ranks meeting after each (`LMMS_PARALLEL_ONLY=a,b`: only
+    those); the first that raises stops the spawn (later ones may read its checkpoints)."""
     T.register_attention()
     results = {}
-    try:
-        only = os.environ.get("LMMS_PARALLEL_ONLY")
-        for name, fn in scenarios:
-            if only and name not in only.split(","):
-                continue
-            try:
-                results[name] = fn(Path(out_dir))
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-                raise
-            dist.barrier()
-    finally:
-        Path(out_dir, f"results_rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+    only = os.environ.get("LMMS_PARALLEL_ONLY")
+    for name, fn in scenarios:
+        if only and name not in only.split(","):
+            continue
+        results[name] = fn(Path(out_dir))
+        dist.barrier()
+    return results
 
 
 # ---------------------------------------------------------------- 4 ranks
@@ -200,8 +189,8 @@ SCENARIOS_4 = [
 ]
 
 
-def run4(rank, world, port, out_dir):
-    _run(rank, world, port, out_dir, SCENARIOS_4)
+def run4(rank, world, out_dir):
+    return _run(out_dir, SCENARIOS_4)
 
 
 # ---------------------------------------------------------------- 2 ranks
@@ -394,5 +383,5 @@ SCENARIOS_2 = [
 ]
 
 
-def run2(rank, world, port, out_dir):
-    _run(rank, world, port, out_dir, SCENARIOS_2)
+def run2(rank, world, out_dir):
+    return _run(out_dir, SCENARIOS_2)

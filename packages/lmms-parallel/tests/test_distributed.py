@@ -6,8 +6,6 @@ below only read them, so a failing check points at one scenario without another 
 
 from __future__ import annotations
 
-import json
-import socket
 import sys
 from pathlib import Path
 
@@ -20,18 +18,12 @@ pytestmark = pytest.mark.multiprocess
 TOL = 2e-4
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn_name: str, world: int, out: Path) -> list[dict]:
     import _workers
-    import torch.multiprocessing as mp
 
-    mp.spawn(getattr(_workers, fn_name), args=(world, _port(), str(out)), nprocs=world, join=True)
-    return [json.loads((out / f"results_rank{r}.json").read_text()) for r in range(world)]
+    from lmms_parallel.testing import spawn_ranks
+
+    return spawn_ranks(getattr(_workers, fn_name), world, str(out))
 
 
 @pytest.fixture(scope="module")
