@@ -54,14 +54,17 @@ def write_run_file(out: Path, run_id: str, resumed_from: Path | None) -> None:
 
 
 def previous_run(out: Path) -> list[str]:
-    """What of an earlier run `out` holds (empty when nothing)."""
+    """What of an earlier run `out` holds: its checkpoints and logged steps (empty when none: a
+    run that stopped before its first step, e.g. on a data error, leaves nothing to protect)."""
     found = []
     ckpts = out / "checkpoints"
     steps = sorted(p.name for p in ckpts.glob("step_*")) if ckpts.is_dir() else []
     if steps:
         more = f" and {len(steps) - 1} more" if len(steps) > 1 else ""
         found.append(f"checkpoints/{steps[-1]}{more}")
-    found += [name for name in ("metrics.jsonl", "config.yaml") if (out / name).is_file()]
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append("metrics.jsonl")
     return found
 
 

@@ -525,7 +525,7 @@ class TrainerArgs:
     overwrite_output_dir: bool = _f(
         False,
         "A fresh run (no `resume_from`) into an `output_dir` that holds another run "
-        "(checkpoints/, metrics.jsonl, config.yaml) is refused; `true` replaces that run: "
+        "(checkpoints/step_*, a metrics.jsonl with steps) is refused; `true` replaces that run: "
         "once the model is built, its checkpoints, metrics, plot, config, exports (hf/, "
         "hf_ema/) and TensorBoard/wandb logs are deleted (other files stay).",
     )
