@@ -19,6 +19,7 @@ from lmms_models.testing_audio import (
     make_omni_sample,
     pack_audio_samples,
 )
+from lmms_parallel.testing import full_grads
 
 AUDIO_FAMILIES = ["qwen2_audio", "aero"]
 
@@ -31,10 +32,6 @@ def _samples():
         AudioSampleSpec(text=5, audios=[[100, 251], [5]]),  # a chunked audio, a 1-token audio
         AudioSampleSpec(text=3, audios=[[3000]]),  # the full window: the convolutions' edge
     ]
-
-
-def _grads(model):
-    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 def audio_pack(name, reference_attn="sdpa"):
@@ -52,7 +49,7 @@ def test_packed_matches_unpacked_upstream(name):
     spec, model, samples, batch = audio_pack(name)
     ref, n_ref = audio_reference_loss_sum(spec, model, samples)
     ref.backward()
-    g_ref = _grads(model)
+    g_ref = full_grads(model)
     model.zero_grad(set_to_none=True)
 
     tower = spec.vision_tower(model)
@@ -60,7 +57,7 @@ def test_packed_matches_unpacked_upstream(name):
     assert tower.config._attn_implementation == names["vision"]
     loss, count = spec.packed_forward(model, batch)
     loss.backward()
-    g = _grads(model)
+    g = full_grads(model)
     assert "forward" not in vars(tower)  # the varlen forward was only installed for the call
     assert int(count) == n_ref == batch["num_loss_tokens"]
     torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
@@ -188,13 +185,13 @@ def test_omni_packed_matches_unpacked_upstream():
     spec, model, samples, batch = omni_pack()
     ref, n_ref = audio_reference_loss_sum(spec, model, samples)
     ref.backward()
-    g_ref = _grads(model)
+    g_ref = full_grads(model)
     model.zero_grad(set_to_none=True)
     spec.set_attention(model, backend="varlen_sdpa")
     assert spec.audio_tower(model).config._attn_implementation.startswith("lmms_flash_vision")
     loss, count = spec.packed_forward(model, batch)
     loss.backward()
-    g = _grads(model)
+    g = full_grads(model)
     assert int(count) == n_ref == batch["num_loss_tokens"]
     torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
     assert g.keys() == g_ref.keys()
@@ -227,7 +224,7 @@ def test_omni_audio_inputs_precomputed_on_the_host(name, monkeypatch):
         model.zero_grad(set_to_none=True)
         loss, _ = spec.packed_forward(model, batch)
         loss.backward()
-        return loss.detach(), _grads(model)
+        return loss.detach(), full_grads(model)
 
     loss, grads = step()
     assert seen == [True]
@@ -334,13 +331,13 @@ def test_omni3_packed_matches_unpacked_upstream(experts):
     spec, model, samples, batch = omni3_pack(aux=False)
     ref, n_ref = audio_reference_loss_sum(spec, model, samples)
     ref.backward()
-    g_ref = _grads(model)
+    g_ref = full_grads(model)
     model.zero_grad(set_to_none=True)
     spec.set_attention(model, backend="varlen_sdpa")
     spec.set_experts(model, experts)
     loss, count = spec.packed_forward(model, batch)
     loss.backward()
-    g = _grads(model)
+    g = full_grads(model)
     assert int(count) == n_ref == batch["num_loss_tokens"]
     torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
     assert g.keys() == g_ref.keys()
@@ -374,7 +371,7 @@ def test_omni3_router_aux_loss_matches_upstream():
                 **s["ref_kwargs"])  # fmt: skip
     assert out.aux_loss is not None and float(out.aux_loss.detach()) > 0.5
     out.loss.backward()
-    g_ref = _grads(model)
+    g_ref = full_grads(model)
     model.zero_grad(set_to_none=True)
     spec.set_attention(model, backend="varlen_sdpa")
     loss, n = spec.packed_forward(model, batch)
@@ -382,7 +379,7 @@ def test_omni3_router_aux_loss_matches_upstream():
     torch.testing.assert_close(loss.detach() / n, out.loss.detach(), rtol=1e-5, atol=1e-6)
     lm_only = out.loss.detach() - 0.01 * out.aux_loss.detach()
     assert abs(float(loss.detach() / n - lm_only)) > 1e-4  # the aux term is really in it
-    g = _grads(model)
+    g = full_grads(model)
     assert g.keys() == g_ref.keys()
     for k in g_ref:
         torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-5, msg=k)  # grads ~1-10

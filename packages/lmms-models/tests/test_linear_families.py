@@ -17,6 +17,7 @@ from lmms_models import get_model_spec
 from lmms_models._linear_attention import LinearMixerHandle
 from lmms_models._linear_spec import delta_rule_flops_per_token
 from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
+from lmms_parallel.testing import full_grads
 
 QWEN_FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 FLA_FAMILIES = ["fla_gated_deltanet"]
@@ -33,10 +34,6 @@ def _samples(spec, model, seed=1):
         ]
     gen = torch.Generator().manual_seed(seed)
     return [make_sample(spec, model.config, s, gen=gen) for s in ss]
-
-
-def _grads(model):
-    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 def _fla_reference(spec, model, samples):
@@ -62,7 +59,7 @@ def test_packed_matches_unpacked(name):
     else:
         ref, n_ref = _fla_reference(spec, model, samples)
     ref.backward()
-    g_ref = _grads(model)
+    g_ref = full_grads(model)
     model.zero_grad(set_to_none=True)
 
     total = sum(s["input_ids"].numel() for s in samples)
@@ -71,7 +68,7 @@ def test_packed_matches_unpacked(name):
     assert names["linear"] == "lmms_auto"
     loss, count = spec.packed_forward(model, batch)
     loss.backward()
-    g_packed = _grads(model)
+    g_packed = full_grads(model)
     assert int(count) == n_ref == batch["num_loss_tokens"]
     torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
     assert g_packed.keys() == g_ref.keys()
@@ -242,7 +239,7 @@ def _compiled_matches_eager(name, device, linear_backend, compile_backend, ac):
             model.zero_grad(set_to_none=True)
             loss, count = spec.packed_forward(model, batch)
             (loss / count).backward()
-            out.append((loss.detach(), _grads(model)))
+            out.append((loss.detach(), full_grads(model)))
         return out
 
     eager = run()
@@ -312,7 +309,7 @@ def test_gpu_fla_kernels_match_torch_reference(name):
             model, {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
         )
         loss.backward()
-        out[backend] = (loss.detach(), _grads(model))
+        out[backend] = (loss.detach(), full_grads(model))
     torch.testing.assert_close(out["fla"][0], out["torch"][0], rtol=2e-3, atol=2e-3)
     for k, g in out["torch"][1].items():
         scale = g.abs().max().clamp_min(1e-3)

@@ -26,6 +26,7 @@ from lmms_models.objectives import (
     make_bidirectional,
 )
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
+from lmms_parallel.testing import full_grads
 
 MD_FAMILIES = ["qwen2", "qwen2_5", "qwen3", "llama"]
 VL_FAMILIES = ["qwen2_5_vl", "qwen3_vl"]  # their dense text decoders, with media in the packs
@@ -91,10 +92,6 @@ def _reference(spec, model, samples, *, ctx, eps, shift):
     return total
 
 
-def _grads(model):
-    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize(
     ("name", "shift"), [(n, False) for n in MD_FAMILIES + VL_FAMILIES] + [("qwen2_5", True)]
 )
@@ -109,7 +106,7 @@ def test_packed_matches_unpacked_with_the_same_masks(name, shift):
     ctx = ObjectiveContext(seed=5, step=2)
     ref = _reference(spec, model, samples, ctx=ctx, eps=0.02, shift=shift)
     ref.backward()
-    g_ref = _grads(model)
+    g_ref = full_grads(model)
     model.zero_grad(set_to_none=True)
 
     total = sum(s["input_ids"].numel() for s in samples)
@@ -117,7 +114,7 @@ def test_packed_matches_unpacked_with_the_same_masks(name, shift):
     spec.set_attention(model, backend="varlen_sdpa")
     out = obj.loss(spec, model, batch, ctx)
     out.loss_sum.backward()
-    g_packed = _grads(model)
+    g_packed = full_grads(model)
     assert (
         int(out.count)
         == obj.count_tokens(batch)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from lmms_models import IGNORE_INDEX, get_model_spec
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
-from lmms_parallel.testing import spawn_ranks
+from lmms_parallel.testing import full_grads, spawn_ranks
 
 COEF = 0.01
 SP_COEF = 1.0
@@ -45,10 +45,6 @@ def _media(spec, model, s):
     return out
 
 
-def _grads(model):
-    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
-
-
 def _upstream(model, input_ids, labels, attention_mask=None, **media):
     model.zero_grad(set_to_none=True)
     out = model(
@@ -59,7 +55,7 @@ def _upstream(model, input_ids, labels, attention_mask=None, **media):
         **media,
     )
     out.loss.backward()
-    return out, _grads(model)
+    return out, full_grads(model)
 
 
 def _packed(spec, model, batch, experts="eager"):
@@ -72,7 +68,7 @@ def _packed(spec, model, batch, experts="eager"):
     finally:
         spec.set_attention(model, backend="sdpa")
         spec.set_experts(model, "eager")
-    return loss_sum.detach(), n, _grads(model)
+    return loss_sum.detach(), n, full_grads(model)
 
 
 def _assert_grads(got, ref):

@@ -12,6 +12,7 @@ import torch
 
 from lmms_models import get_model_spec, linear_patch_embed
 from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
+from lmms_parallel.testing import full_grads
 
 TEXT_FAMILIES = ["qwen2", "qwen2_5", "qwen3", "qwen3_moe", "llama"]
 VL_FAMILIES = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
@@ -28,10 +29,6 @@ def _samples(spec):
             SampleSpec(text=3, images=[(1, 6, 4)], videos=[(3, 2, 2)]),
         ]
     return ss
-
-
-def _grads(model):
-    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 def tiny_pack(name: str, n_samples: int | None = None):
@@ -52,7 +49,7 @@ def _check(name: str, reference_attn: str):
     samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)]
     ref, n_ref = reference_loss_sum(spec, model, samples)
     ref.backward()
-    g_ref = _grads(model)
+    g_ref = full_grads(model)
     model.zero_grad(set_to_none=True)
 
     total = sum(s["input_ids"].numel() for s in samples)
@@ -61,7 +58,7 @@ def _check(name: str, reference_attn: str):
     assert "flash" in names["vision"]  # Qwen-VL towers pass cu_seqlens only to "flash" names
     loss, count = spec.packed_forward(model, batch)
     loss.backward()
-    g_packed = _grads(model)
+    g_packed = full_grads(model)
 
     assert int(count) == n_ref == batch["num_loss_tokens"]
     torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
@@ -161,7 +158,7 @@ def test_vision_inputs_precomputed_on_the_host(name, monkeypatch):
         model.zero_grad(set_to_none=True)
         loss, _ = spec.packed_forward(model, batch)
         loss.backward()
-        return loss.detach(), _grads(model)
+        return loss.detach(), full_grads(model)
 
     loss, grads = step()
     assert given and all(given), given  # images and videos: every tower call took host values
@@ -221,7 +218,7 @@ def test_media_merged_at_host_positions(name, monkeypatch):
         with Spy() as spy:
             loss, _ = spec.packed_forward(model, batch)
             loss.backward()
-        return loss.detach(), _grads(model), spy.names
+        return loss.detach(), full_grads(model), spy.names
 
     # upstream's placeholder check and (Qwen3-VL) its boolean-mask deepstack step, counted
     base_cls = type(spec.base_model(model))
@@ -278,13 +275,13 @@ def test_a_vision_tower_on_its_own_backend_gives_the_same_packed_loss():
     spec, model, batch = tiny_pack("qwen2_5_vl")
     loss_ref, _ = spec.packed_forward(model, batch)
     loss_ref.backward()
-    g_ref = _grads(model)
+    g_ref = full_grads(model)
     model.zero_grad(set_to_none=True)
     names = spec.set_attention(model, backend="varlen_sdpa", vision_backend="sdpa")
     assert names == {"text": "lmms_flash_text_varlen_sdpa", "vision": "sdpa"}
     loss, _ = spec.packed_forward(model, batch)
     loss.backward()
-    g = _grads(model)
+    g = full_grads(model)
     torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=1e-5)
     visual = [k for k in g_ref if ".visual." in k or k.startswith("model.visual")]
     assert visual
@@ -302,7 +299,7 @@ def test_linear_patch_embed_equals_the_convolution(name):
     ref = embed(x)
     loss_ref, _ = spec.packed_forward(model, batch)
     loss_ref.backward()
-    g_ref = _grads(model)
+    g_ref = full_grads(model)
     model.zero_grad(set_to_none=True)
 
     handle = linear_patch_embed(tower)
@@ -310,7 +307,7 @@ def test_linear_patch_embed_equals_the_convolution(name):
     torch.testing.assert_close(embed(x), ref, rtol=1e-5, atol=1e-6)
     loss, _ = spec.packed_forward(model, batch)
     loss.backward()
-    g = _grads(model)
+    g = full_grads(model)
     torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=1e-6)
     assert set(g) == set(g_ref)
     for k in g_ref:
