@@ -129,10 +129,59 @@ def lora_fsdp(pair: Any) -> dict[str, Any]:
     }
 
 
+def dpo_sp(groups: dict[int, Any]) -> dict[str, Any]:
+    """``dpo`` on packed preference pairs (Qwen2.5-VL, images, LoRA; the reference = adapters
+    off) under Ulysses SP 2 and 4 == SP 1: the per-document log-probabilities are summed over
+    the group, each rank backpropagates its slice's share."""
+    from test_dpo import _pairs
+
+    from lmms_models import SplitVision, get_model_spec
+    from lmms_models.objectives import ObjectiveContext, get_objective
+    from lmms_models.testing import pack_samples
+
+    spec = get_model_spec("qwen2_5_vl")
+    torch.manual_seed(0)
+    model = spec.build(config=spec.tiny_config(), attn_backend="varlen_sdpa")
+    handle = _lora(spec, model)
+    docs = _pairs(spec, model, 3, torch.Generator().manual_seed(3))
+    batch = pack_samples(spec, model, docs)
+    batch["sample_segments"] = torch.full((3,), 2)
+    objective = get_objective("dpo", beta=0.5)
+
+    def step(group: Any) -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        ctx = ObjectiveContext(reference=handle.disabled, sp_group=group)
+        out = objective.loss(spec, model, batch, ctx)
+        out.loss_sum.backward()
+        grads = _grads(model)
+        if group is not None:
+            for g in grads.values():
+                dist.all_reduce(g, group=group)
+        return float(out.loss_sum), grads
+
+    ref_loss, ref = step(None)
+    out: dict[str, Any] = {"loss_sp1": ref_loss}
+    for sp, group in groups.items():
+        spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
+        with (
+            SplitVision(spec, model, None),
+            lp.SequenceParallel(spec.sp_slice_module(model), group),
+        ):
+            loss, grads = step(group)
+        spec.set_attention(model, backend="varlen_sdpa")
+        worst = max(
+            float((grads[k] - ref[k]).abs().max() / (ref[k].abs().max() + 1e-6)) for k in ref
+        )
+        out[f"sp{sp}"] = {"loss": loss, "same_params": sorted(grads) == sorted(ref),
+                          "worst_rel_grad": worst}  # fmt: skip
+    return out
+
+
 def run(rank: int, world: int) -> dict[str, Any]:
     """Every scenario on this rank (lmms_parallel.testing.spawn_ranks runs it)."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
     cases = [(f"{name}/{label}", functools.partial(scenario, name, label, attrs, groups))
              for name, label, attrs in SCENARIOS]  # fmt: skip
-    return run_cases([*cases, ("lora_fsdp", lambda: lora_fsdp(pairs[rank // 2]))])
+    extra = [("lora_fsdp", lambda: lora_fsdp(pairs[rank // 2])), ("dpo_sp", lambda: dpo_sp(groups))]
+    return run_cases([*cases, *extra])

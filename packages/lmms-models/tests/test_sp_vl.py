@@ -52,3 +52,15 @@ def test_lora_fsdp2_matches_one_process(results):
         assert got["loss"] == pytest.approx(got["loss_sp1"], rel=1e-5, abs=1e-6), rank
         assert got["same_params"], rank
         assert got["worst_rel_grad"] < 1e-4, (rank, got["worst_rel_grad"])
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_dpo_sp_matches_sp1(results, sp):
+    """DPO on packed pairs with images under Ulysses SP == SP 1 (loss, adapter gradients)."""
+    for rank, res in enumerate(results):
+        got = res["dpo_sp"]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        run = got[f"sp{sp}"]
+        assert run["loss"] == pytest.approx(got["loss_sp1"], rel=1e-5, abs=1e-6), rank
+        assert run["same_params"], rank
+        assert run["worst_rel_grad"] < 1e-4, (rank, run["worst_rel_grad"])

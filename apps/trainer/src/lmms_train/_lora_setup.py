@@ -82,10 +82,6 @@ def check_preference(cfg: Any, env: Any, objective: Any, adapter: Any) -> None:
             f"model_config.objective {name} needs a reference policy: set model_config.lora "
             "(the reference is the base with the adapters off: no second model in memory)"
         )
-    if env.sp > 1:
-        raise ConfigError(
-            f"model_config.objective {name} under sp_ulysses_degree > 1 is not supported yet"
-        )
 
 
 def apply_model_lora(cfg: Any, spec: Any, model: nn.Module) -> Any:

@@ -102,7 +102,8 @@ class DPO(Objective):
         return len(segs)
 
     def _doc_logps(self, spec, model, batch, shift, docs, n_docs, ctx, *, grad: bool):
-        """``(hidden [T, H], per-document Σ log p [n_docs], per-token CE [T])``."""
+        """``(hidden [T(/sp), H], per-document Σ log p [n_docs])``; ``shift`` and ``docs`` are
+        this rank's slice under SP, the sums are the whole row's (summed over the SP group)."""
         from lmms_kernels import fused_linear_cross_entropy
 
         hidden, _ = spec.packed_hidden(model, batch)
@@ -113,17 +114,19 @@ class DPO(Objective):
                 bias=None if head.bias is None else head.bias.detach(),
                 backend=ctx.loss_backend, token_stats=True,
             )  # fmt: skip
-        sums = torch.zeros(n_docs, dtype=torch.float32, device=hidden.device)
-        sums.index_add_(0, docs, tok_ce.float())
-        return (hidden if grad else None), -sums
+            sums = torch.zeros(n_docs + 1, dtype=torch.float32, device=hidden.device)
+            sums.index_add_(0, docs, tok_ce.float())  # index n_docs: padding, dropped
+            if ctx.sp_group is not None:
+                import torch.distributed as dist
+
+                dist.all_reduce(sums, group=ctx.sp_group)
+        return (hidden if grad else None), -sums[:n_docs]
 
     def loss(
         self, spec: Any, model: nn.Module, batch: dict[str, Any], ctx: ObjectiveContext
     ) -> ObjectiveOutput:
         from lmms_kernels import fused_linear_cross_entropy
 
-        if ctx.sp_group is not None:
-            raise NotImplementedError("objective dpo under sequence parallel is not supported yet")
         opts: DPOOptions = self.options
         n_pairs = self.count_tokens(batch)
         head = spec.lm_head(model)
@@ -134,12 +137,17 @@ class DPO(Objective):
         else:
             shift = shift_labels_packed(batch["labels"].to(dev).reshape(-1), cu)
         n_docs = 2 * n_pairs
-        docs = _doc_ids(cu, shift.numel())  # [T]; the padding segment is index n_docs
-        keep = docs < n_docs
-        docs = torch.where(keep, docs, torch.zeros_like(docs))
-        shift = torch.where(keep, shift, torch.full_like(shift, IGNORE_INDEX))
-        answer = torch.zeros(n_docs, dtype=torch.float32, device=dev)
+        docs = _doc_ids(cu, shift.numel()).clamp_(max=n_docs)  # [T]; padding: index n_docs
+        shift = torch.where(docs < n_docs, shift, torch.full_like(shift, IGNORE_INDEX))
+        answer = torch.zeros(n_docs + 1, dtype=torch.float32, device=dev)
         answer.index_add_(0, docs, (shift != IGNORE_INDEX).float())
+        answer = answer[:n_docs]
+        if ctx.sp_group is not None:  # this rank's slice of the row (as the decoder sees it)
+            from lmms_parallel import sp_shard_labels
+
+            shift = sp_shard_labels(shift, ctx.sp_group)  # padded with -100
+            docs = sp_shard_labels(docs, ctx.sp_group).clamp_(min=0, max=n_docs)
+            docs = torch.where(shift != IGNORE_INDEX, docs, torch.full_like(docs, n_docs))
 
         ref = self._reference(spec, model, batch, shift, docs, n_docs, ctx)
         hidden, logp = self._doc_logps(spec, model, batch, shift, docs, n_docs, ctx, grad=True)
@@ -148,8 +156,9 @@ class DPO(Objective):
             losses, rewards = dpo_pair_losses(leaf, ref, answer, opts)
             (g,) = torch.autograd.grad(losses.sum(), leaf)
         total = losses.detach().sum()
-        if torch.is_grad_enabled():  # Σ w_t CE_t has the DPO loss's gradient
-            weights = -g[docs] * (shift != IGNORE_INDEX).float()  # [T] fp32
+        if torch.is_grad_enabled():  # Σ w_t CE_t has the DPO loss's gradient (this rank's part)
+            g = torch.cat([g, g.new_zeros(1)])  # the padding index
+            weights = -g[docs] * (shift != IGNORE_INDEX).float()  # [T(/sp)] fp32
             s, _ = fused_linear_cross_entropy(
                 hidden, head.weight, shift, bias=head.bias, backend=ctx.loss_backend,
                 token_weights=weights,
