@@ -44,6 +44,12 @@ def test_layouts_give_two_chat_records_sharing_the_prompt():
                        "rejected": [user, {"role": "assistant", "content": "5"}]})["pair"]  # fmt: skip
     assert _texts(c) == [("user", ["2+2?"]), ("assistant", ["4"])]
     assert _texts(r) == [("user", ["2+2?"]), ("assistant", ["5"])]
+    # precomputed reference log-probabilities ride along, chosen first
+    out = preference({"prompt": "q", "chosen": "a", "rejected": "b", "ref_chosen_logps": -3.5,
+                      "ref_rejected_logps": -4})  # fmt: skip
+    assert out["ref_logps"] == [-3.5, -4.0]
+    with pytest.raises(BadRecordError, match="both be numbers"):
+        preference({"prompt": "q", "chosen": "a", "rejected": "b", "ref_chosen_logps": 1.0})
     with pytest.raises(BadRecordError, match="chosen"):
         preference({"prompt": "q", "chosen": "a"})
     with pytest.raises(BadRecordError, match="no assistant"):
@@ -74,6 +80,22 @@ def test_pairs_pack_as_two_documents_with_their_media(tmp_path, proc25):
         assert ans_c != ans_r  # the answers differ ...
         k = int((labels[a:b] != -100).nonzero()[0])  # ... after the same prompt (and image)
         assert np.array_equal(chosen[:k].numpy(), rejected[:k].numpy())
+    assert "ref_logps" not in batch  # none precomputed in this data
     # one image per document: each pair's picture is encoded twice, in document order
     assert batch["image_grid_thw"].shape[0] == 2 * len(segs)
     assert batch["position_ids"].shape == (4, ids.numel())
+
+
+def test_precomputed_reference_reaches_the_row():
+    from lmms_data import collate_packed_batch
+    from lmms_data._preference import pair_sample
+
+    def doc(n):
+        return {"input_ids": np.arange(n), "labels": np.arange(n), "length": n}
+
+    pairs = [pair_sample(doc(3), doc(4), [-1.0, -2.0]), pair_sample(doc(2), doc(5), [-3.0, -4.0])]
+    row = collate_packed_batch(pairs)
+    assert row["ref_logps"].tolist() == [-1.0, -2.0, -3.0, -4.0]  # document order
+    assert row["cu_seqlens"].tolist() == [0, 3, 7, 9, 14]
+    with pytest.raises(ValueError, match="ref_logps"):
+        collate_packed_batch([pairs[0], pair_sample(doc(2), doc(2))])

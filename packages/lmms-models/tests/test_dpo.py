@@ -79,6 +79,18 @@ def test_dpo_packed_matches_per_pair_reference(name, loss_type):
         err = float((g_packed[k] - g_ref[k]).abs().max() / g_ref[k].abs().max())
         assert err < 1e-4, (k, err, float(g_ref[k].abs().max()))
 
+    # the same with the reference log-probabilities precomputed (carried by the pairs)
+    model.zero_grad(set_to_none=True)
+    batch["ref_logps"] = ref.clone()
+    pre = get_objective("dpo", beta=0.5, loss_type=loss_type, reference="precomputed")
+    assert not pre.needs_reference()
+    out2 = pre.loss(spec, model, batch, ObjectiveContext())
+    out2.loss_sum.backward()
+    torch.testing.assert_close(out2.loss_sum.detach(), out.loss_sum.detach(), rtol=1e-5, atol=1e-6)
+    for k in g_ref:
+        err = float((model.get_parameter(k).grad - g_ref[k]).abs().max() / g_ref[k].abs().max())
+        assert err < 1e-4, (k, err)
+
 
 def test_dpo_refuses_what_it_cannot_do():
     spec = get_model_spec("qwen3")

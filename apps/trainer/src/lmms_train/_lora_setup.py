@@ -77,10 +77,12 @@ def check_preference(cfg: Any, env: Any, objective: Any, adapter: Any) -> None:
             "dataset_config.dataset_type: preference (records with prompt/chosen/rejected or "
             "chosen/rejected conversations; docs/lora-dpo.md)"
         )
-    if adapter is None:
+    if adapter is None and objective.needs_reference():
         raise ConfigError(
             f"model_config.objective {name} needs a reference policy: set model_config.lora "
-            "(the reference is the base with the adapters off: no second model in memory)"
+            "(the reference is the base with the adapters off: no second model in memory), or "
+            "objective_args.reference: precomputed with ref_chosen_logps / ref_rejected_logps "
+            "in the data"
         )
 
 

@@ -48,6 +48,10 @@ def collate_packed_batch(
                 mm[off : off + n] = s["mm_token_type_ids"]
             off += n
         row["mm_token_type_ids"] = mm
+    if any(s.get("ref_logps") is not None for s in samples):  # preference pairs (DPO)
+        if not all(s.get("ref_logps") is not None for s in samples):
+            raise ValueError("some preference pairs of a pack carry ref_logps and some do not")
+        row["ref_logps"] = np.concatenate([np.asarray(s["ref_logps"]) for s in samples])
     row["vision_tokens"] = int(sum(int(s.get("vision_tokens", 0)) for s in samples))
     if any("audio_tokens" in s for s in samples):
         row["audio_tokens"] = int(sum(int(s.get("audio_tokens", 0)) for s in samples))

@@ -10,7 +10,9 @@ Accepted layouts (the common ones of TRL, LLaMA-Factory and ms-swift):
 * ``{"chosen": messages, "rejected": messages}``: two whole conversations whose shared leading
   turns are the prompt (TRL's implicit prompt).
 
-Message lists may be JSON strings (Parquet columns). The pair becomes one sample of two documents
+Message lists may be JSON strings (Parquet columns). Precomputed reference log-probabilities
+(``ref_chosen_logps``, ``ref_rejected_logps``: the sums over each answer's tokens, as the DPO
+objective computes them) ride along as the sample's ``ref_logps [2]``. The pair becomes one sample of two documents
 (``segments [len_chosen, len_rejected]``): each document is the whole prompt (with its media) and
 one answer, so each attends only to itself and the two stay in the same packed row; the prompt and
 its media are encoded twice (the simplest exact layout: no attention mask beyond per-document
@@ -100,11 +102,25 @@ def preference(record: dict[str, Any]) -> dict[str, Any]:
     for name, answer in (("chosen", chosen), ("rejected", rejected)):
         if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in answer):
             raise BadRecordError("no_assistant", f"{name} has no assistant turn")
-    return {"pair": tuple({"messages": prompt + answer, **media} for answer in (chosen, rejected))}
+    out: dict[str, Any] = {
+        "pair": tuple({"messages": prompt + answer, **media} for answer in (chosen, rejected))
+    }
+    refs = [record.get("ref_chosen_logps"), record.get("ref_rejected_logps")]
+    if any(r is not None for r in refs):
+        try:
+            out["ref_logps"] = [float(r) for r in refs]  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise BadRecordError(
+                "malformed_record", "ref_chosen_logps and ref_rejected_logps must both be numbers"
+            ) from None
+    return out
 
 
-def pair_sample(chosen: dict[str, Any], rejected: dict[str, Any]) -> dict[str, Any]:
-    """One sample of the two documents (chosen first), ``segments`` their lengths."""
+def pair_sample(
+    chosen: dict[str, Any], rejected: dict[str, Any], ref_logps: list[float] | None = None
+) -> dict[str, Any]:
+    """One sample of the two documents (chosen first), ``segments`` their lengths, and the
+    precomputed reference log-probabilities if given."""
     from lmms_data._collate import MEDIA_KEYS
 
     known = {*_TOKEN_AXIS, *_COUNTS, *MEDIA_KEYS}
@@ -128,4 +144,6 @@ def pair_sample(chosen: dict[str, Any], rejected: dict[str, Any]) -> dict[str, A
         if key in chosen or key in rejected:
             out[key] = int(chosen.get(key, 0)) + int(rejected.get(key, 0))
     out["segments"] = [int(chosen["length"]), int(rejected["length"])]
+    if ref_logps is not None:
+        out["ref_logps"] = np.asarray(ref_logps, dtype=np.float64)
     return out

@@ -231,7 +231,8 @@ class SlotStream:
             if "pair" in adapted:  # a preference pair: two documents, one sample (same row)
                 from lmms_data._preference import pair_sample
 
-                sample = pair_sample(*(self._sample(r, ref) for r in adapted["pair"]))
+                docs = [self._sample(r, ref) for r in adapted["pair"]]
+                sample = pair_sample(*docs, adapted.get("ref_logps"))
             else:
                 sample = self._sample(adapted, ref)
             if "parts" in sample:  # packed model-side (BAGEL): the sample's own noise seed

@@ -153,6 +153,11 @@ class Objective:
     def prepare_model(self, spec: Any, model: nn.Module) -> None:
         """Adapt a freshly built model (single device, before parallelism). Default: nothing."""
 
+    def needs_reference(self) -> bool:
+        """The objective reads ``ObjectiveContext.reference`` (a frozen reference policy computed
+        by the model itself: LoRA with its adapters off). Default: no."""
+        return False
+
     def count_tokens(self, batch: dict[str, Any]) -> int:
         """This row's share of the global normaliser, read on the host: the collator's
         ``num_loss_tokens`` (supervised tokens) by default."""

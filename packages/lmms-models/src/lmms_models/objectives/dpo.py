@@ -52,12 +52,18 @@ class DPOOptions:
     """``sigmoid`` (DPO) or ``ipo``."""
     label_smoothing: float = 0.0
     """Conservative DPO's ε (``sigmoid`` only): the chance a preference label is flipped."""
+    reference: str = "adapters_off"
+    """``adapters_off``: the reference is the model with its LoRA adapters off (computed each
+    step, no gradient); ``precomputed``: the pairs carry ``ref_chosen_logps`` /
+    ``ref_rejected_logps`` (sums over each answer's tokens), e.g. for full fine-tuning."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in ("sigmoid", "ipo"):
             raise ValueError(f"dpo loss_type {self.loss_type!r}: use sigmoid or ipo")
         if self.beta <= 0:
             raise ValueError(f"dpo beta must be > 0, got {self.beta}")
+        if self.reference not in ("adapters_off", "precomputed"):
+            raise ValueError(f"dpo reference {self.reference!r}: use adapters_off or precomputed")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ValueError(f"dpo label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
@@ -92,6 +98,9 @@ class DPO(Objective):
 
     Options = DPOOptions
     preference = True
+
+    def needs_reference(self) -> bool:
+        return self.options.reference == "adapters_off"
 
     def count_tokens(self, batch: dict[str, Any]) -> int:
         segs = batch.get("sample_segments")
@@ -171,7 +180,16 @@ class DPO(Objective):
         )
 
     def _reference(self, spec, model, batch, shift, docs, n_docs, ctx) -> torch.Tensor:
-        """Per-document reference log-probabilities: the model with its adapters off."""
+        """Per-document reference log-probabilities: the pairs' precomputed ones, or the model
+        with its adapters off."""
+        if not self.needs_reference():
+            if batch.get("ref_logps") is None:
+                raise ValueError(
+                    "dpo reference: precomputed, but the pairs carry no ref_chosen_logps / "
+                    "ref_rejected_logps"
+                )
+            dev = shift.device
+            return batch["ref_logps"].to(dev, torch.float32, non_blocking=True).reshape(-1)
         if ctx.reference is None:
             raise ValueError(
                 "objective dpo needs a reference model: train LoRA adapters (model_config.lora; "
