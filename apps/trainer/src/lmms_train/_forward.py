@@ -11,8 +11,9 @@ Wraps the model spec's packed forward with three run-time concerns the spec does
   (`lmms_parallel.SequenceParallel`), the labels are sliced to match and the loss sums are
   summed over the SP group (`sp_reduce_loss`, identity backward).
 - **Vision participation.** Under FSDP a rank whose pack has no image still runs the (sharded)
-  vision tower on a dummy image, where its peers run theirs (`lmms_parallel.VisionParticipation`),
-  so that its collectives stay in step.
+  vision tower on a dummy image, where its peers run theirs, so that its collectives stay in step:
+  the spec's `install_participation` (default `lmms_parallel.VisionParticipation`; the Omni
+  thinkers run both towers in one order).
 - **Objective.** The loss is the run's objective (`lmms_models.objectives`, `model_config.
   objective`): `causal_lm` is the spec's packed forward; others (masked diffusion, flow matching)
   put their own loss on the spec's hidden states. The forward is an `ObjectiveForward`: the loop
@@ -125,16 +126,8 @@ def make_forward(
         objective = get_objective("causal_lm")
     group = None
     tower = spec.vision_tower(model) if env.distributed else None
-    if tower is not None:  # before SequenceParallel on the same module (lmms_parallel's order)
-        from lmms_parallel import VisionParticipation
-
-        def dummy() -> dict[str, Any]:
-            return spec.dummy_vision_inputs(model, env.device)
-
-        def outputs(out: Any) -> list[torch.Tensor] | None:
-            return spec.vision_participation_outputs(model, out)
-
-        VisionParticipation(spec.sp_slice_module(model), tower, dummy, outputs=outputs).install()
+    if env.distributed:  # before SequenceParallel on the same module (lmms_parallel's order)
+        spec.install_participation(model, env.device)  # default: VisionParticipation
     if env.sp > 1:
         from lmms_parallel import sp_group
 

@@ -476,6 +476,30 @@ class ModelSpec:
         lmms_parallel.VisionParticipation). None (default): every floating-point output."""
         return None
 
+    def install_participation(self, model: nn.Module, device: Any) -> Any:
+        """Make every rank run every tower in every step, in one order: the caller installs this
+        when several ranks hold the model's sharded towers (FSDP2 gathers a tower's shards
+        collectively, so a rank whose pack has no media runs the tower on a dummy input where its
+        peers run it on theirs). Default: lmms_parallel's ``VisionParticipation`` on
+        :meth:`sp_slice_module` for :meth:`vision_tower` (dummy from
+        :meth:`dummy_vision_inputs`, outputs from :meth:`vision_participation_outputs`). Returns
+        the handle (``.remove()``), or None without a tower. Model code never asks
+        ``torch.distributed`` itself."""
+        tower = self.vision_tower(model)
+        if tower is None:
+            return None
+        from lmms_parallel import VisionParticipation
+
+        def dummy() -> dict[str, Any]:
+            return self.dummy_vision_inputs(model, device)
+
+        def outputs(out: Any) -> list[torch.Tensor] | None:
+            return self.vision_participation_outputs(model, out)
+
+        return VisionParticipation(
+            self.sp_slice_module(model), tower, dummy, outputs=outputs
+        ).install()
+
     def vision_split_plan(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         """How one call of the vision tower divides into items for the SP ranks
         (:class:`lmms_models.SplitVision`): a :class:`lmms_models.VisionSplitPlan`."""

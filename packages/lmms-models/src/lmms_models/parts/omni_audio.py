@@ -14,6 +14,7 @@ placeholder positions.
 from __future__ import annotations
 
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,22 @@ def omni_audio_flops(audio_config: Any, feature_lens: Any) -> float:
         out_len.sum()
     )
     return 6.0 * dense + 12.0 * layers * d * sq
+
+
+#: models whose towers must run on every rank (:meth:`OmniAudioPart.install_participation`)
+_EVERY_TOWER: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class _Participation:
+    """The handle of :meth:`OmniAudioPart.install_participation` (``.remove()``)."""
+
+    def __init__(self, model: nn.Module, inner: Any) -> None:
+        self.model, self.inner = model, inner
+
+    def remove(self) -> None:
+        _EVERY_TOWER.discard(self.model)
+        if self.inner is not None:
+            self.inner.remove()
 
 
 class OmniAudioPart(QwenVLSpec):
@@ -177,17 +194,17 @@ class OmniAudioPart(QwenVLSpec):
 
     def merge_media(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """Vision through the Qwen-VL host merge, then the audio tower's features at the audio
-        placeholders. Under torch.distributed (2+ ranks) a tower whose media the pack lacks runs on its
+        placeholders. Once :meth:`install_participation` has run for ``model`` (the caller's: its
+        towers are sharded over several ranks), a tower whose media the pack lacks runs on its
         dummy input (times zero), always in the order vision, audio: with two towers the
-        trainer's single-tower participation hook cannot keep every rank's FSDP collectives in
-        the same order, this does."""
+        single-tower participation hook cannot keep every rank's FSDP collectives in the same
+        order, this does."""
         audio = {k: inputs.get(k) for k in _AUDIO_KEYS}
         rest = {k: v for k, v in inputs.items() if k not in _AUDIO_KEYS}
         types = rest.get("mm_token_type_ids")
         if types is not None:
             rest["mm_token_type_ids"] = types = types.reshape(-1).cpu()  # host positions
-        dist = torch.distributed
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        distributed = model in _EVERY_TOWER
         out = super().merge_media(model, rest)  # images, videos (if any) -> inputs_embeds
         vision_ran = "inputs_embeds" in out
         if audio["input_features"] is None and not distributed:
@@ -217,6 +234,13 @@ class OmniAudioPart(QwenVLSpec):
                    "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "inputs_embeds")  # fmt: skip
         kept = {k: v for k, v in out.items() if k not in dropped}
         return {**kept, "inputs_embeds": embeds + zero.to(embeds.dtype)}
+
+    def install_participation(self, model: nn.Module, device: Any) -> Any:
+        """Both towers run on every rank in every step, vision then audio (:meth:`merge_media`),
+        besides the vision hook of the default (which then finds the tower already run)."""
+        inner = super().install_participation(model, device)
+        _EVERY_TOWER.add(model)
+        return _Participation(model, inner)
 
     def audio_token_lengths(self, frames: torch.Tensor, audio_config: Any = None) -> torch.Tensor:
         """Text placeholders per clip of ``frames [n]`` valid mel frames (any config)."""
