@@ -203,11 +203,20 @@ class DiffusionSpec(ModelSpec, GeneratesLatents):
         raise NotImplementedError
 
     # ---------------------------------------------------------------- engine hooks
-    def packed_forward(self, model: nn.Module, batch: dict[str, Any], **_: Any) -> Any:
-        raise NotImplementedError(
-            f"{self.name} is a diffusion transformer: train it with objective: flow_matching "
-            "(it has no packed language-model forward)"
-        )
+    def packed_forward(
+        self, model: nn.Module, batch: dict[str, Any], *, sp_group: Any = None,
+        loss_backend: str = "auto",
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(loss_sum, count)`` of one batch under the family's own objective
+        (:attr:`default_objective` with :attr:`objective_defaults`, draws from seed 0, step 0):
+        a diffusion transformer has no language-model head, its packed forward is its training
+        loss. Training runs take the objective itself (its seeds follow the step)."""
+        from .objectives import ObjectiveContext, get_objective
+
+        objective = get_objective(self.default_objective, **self.objective_defaults)
+        ctx = ObjectiveContext(sp_group=sp_group, loss_backend=loss_backend)
+        out = objective.loss(self, model, batch, ctx)
+        return out.loss_sum, torch.as_tensor(out.count)
 
     def set_attention(self, model: nn.Module, **_: Any) -> dict[str, str]:
         return {}  # SDPA on dense [B, N] tokens: one shape per batch, no varlen needed
