@@ -11,10 +11,11 @@ import torch
 
 from .. import _flops
 from .._plans import QWEN2_TP_PLAN, QWEN2_TP_SP_PLAN
-from .._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
+from .._vl import TINY_TOKEN_IDS, QwenVLSpec, vision_utils
 
 __all__ = [
     "QWEN2_5_VL_3B",
+    "QWEN2_5_VL_TINY",
     "Qwen2_5VisionPart",
     "precomputed_vision_inputs",
     "vit_tower_shape",
@@ -62,7 +63,7 @@ QWEN2_5_VL_3B: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
-_TINY: dict[str, Any] = {
+QWEN2_5_VL_TINY: dict[str, Any] = {
     "text_config": {
         "vocab_size": 1024,
         "hidden_size": 64,
@@ -142,25 +143,17 @@ def vit_tower_shape(config: Any) -> Any:
 
 
 class Qwen2_5VisionPart(QwenVLSpec):
+    """Qwen2.5-VL's windowed ViT (host-precomputed windows, hand-counted FLOPs and memory) on
+    a Qwen2 decoder with 3-D mRoPE (TP plans, the prepared mask mapping, host merge). The family
+    states its names: processor, Liger plan, config/model classes, presets, tiny config."""
+
     tp_plan = QWEN2_TP_PLAN
     tp_sp_plan = QWEN2_TP_SP_PLAN
-    processor_family = "qwen2_5_vl"
-    #: Liger (lmms_kernels.apply_liger): text and vision SwiGLU
-    liger_plan = {  # noqa: RUF012
-        "rms_norm": ("Qwen2_5_VLRMSNorm",),
-        "mlp": ("Qwen2MLP", "Qwen2_5_VLMLP"),
-    }
-    config_class = "Qwen2_5_VLConfig"
-    model_class = "Qwen2_5_VLForConditionalGeneration"
     mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch
     host_merge = True
-    presets = {"3b": QWEN2_5_VL_3B}  # noqa: RUF012
 
     def host_vision_inputs(self, tower: Any, grid_thw: torch.Tensor) -> dict[str, Any]:
         return precomputed_vision_inputs(tower.config, grid_thw)
-
-    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        return merge_tiny(_TINY, overrides)
 
     def vision_matmul_params(self, config: Any) -> dict[str, int]:
         """Per-patch and per-merged-token matmul parameters of the ViT (hand count)."""

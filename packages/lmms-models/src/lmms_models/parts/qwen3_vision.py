@@ -23,7 +23,7 @@ from .. import _flops
 from .._attention import forward_pre_hook
 from .._plans import QWEN3_TP_PLAN, QWEN3_VL_TP_SP_PLAN
 from .._spec import to_device
-from .._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, vision_utils
+from .._vl import TINY_TOKEN_IDS, QwenVLSpec, vision_utils
 
 __all__ = [
     "DEEPSTACK_KEY",
@@ -243,13 +243,12 @@ def deepstack_by_index(text_model: nn.Module) -> Iterator[None]:
 
 
 class Qwen3VisionPart(QwenVLSpec):
+    """The Qwen3-VL ViT (learned interpolated positions, deepstack at host positions, its SP
+    style) on a Qwen3 decoder with interleaved mRoPE. The family states its names: processor,
+    Liger plan, config/model classes, presets, tiny config."""
+
     tp_plan = QWEN3_TP_PLAN
     tp_sp_plan = QWEN3_VL_TP_SP_PLAN  # + sp_deepstack: deepstack on each rank's rows
-    processor_family = "qwen3_vl"
-    #: Liger (lmms_kernels.apply_liger): the vision tower's LayerNorm and GELU MLP stay upstream
-    liger_plan = {"rms_norm": ("Qwen3VLTextRMSNorm",), "mlp": ("Qwen3VLTextMLP",)}  # noqa: RUF012
-    config_class = "Qwen3VLConfig"
-    model_class = "Qwen3VLForConditionalGeneration"
     mrope_rows_only = True  # its text model's mask preparation reads the text row on the host
     host_merge = True  # deepstack too: media_extras + deepstack_by_index
 
@@ -299,9 +298,6 @@ class Qwen3VisionPart(QwenVLSpec):
             "cu_seqlens": cu,
             "max_seqlen": int((cu[1:] - cu[:-1]).max()),
         }
-
-    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        return merge_tiny(QWEN3_VL_TINY, overrides)
 
     def lm_matmul_params(self, config: Any) -> int:
         cfg = self.text_config(config)

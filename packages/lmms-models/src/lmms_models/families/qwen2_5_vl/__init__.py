@@ -4,12 +4,26 @@ SwiGLU/RMSNorm ViT), registered as a family."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..._registry import register_model
-from ...parts.qwen2_5_vision import QWEN2_5_VL_3B, Qwen2_5VisionPart
+from ..._vl import merge_tiny
+from ...parts.qwen2_5_vision import QWEN2_5_VL_3B, QWEN2_5_VL_TINY, Qwen2_5VisionPart
 
 __all__ = ["QWEN2_5_VL_3B", "Qwen2_5_VLSpec"]
 
 
 @register_model("qwen2_5_vl")
 class Qwen2_5_VLSpec(Qwen2_5VisionPart):
-    """Qwen2.5-VL: the part's defaults are this family's."""
+    processor_family = "qwen2_5_vl"
+    #: Liger (lmms_kernels.apply_liger): text and vision SwiGLU
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("Qwen2_5_VLRMSNorm",),
+        "mlp": ("Qwen2MLP", "Qwen2_5_VLMLP"),
+    }
+    config_class = "Qwen2_5_VLConfig"
+    model_class = "Qwen2_5_VLForConditionalGeneration"
+    presets = {"3b": QWEN2_5_VL_3B}  # noqa: RUF012
+
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        return merge_tiny(QWEN2_5_VL_TINY, overrides)

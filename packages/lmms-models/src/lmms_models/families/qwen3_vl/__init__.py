@@ -4,9 +4,13 @@ position embeddings and deepstack at host positions), registered as a family."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..._registry import register_model
+from ..._vl import merge_tiny
 from ...parts.qwen3_vision import (
     DEEPSTACK_KEY,
+    QWEN3_VL_TINY,
     DeepstackAtPositions,
     Qwen3VisionPart,
     deepstack_by_index,
@@ -17,4 +21,11 @@ __all__ = ["DEEPSTACK_KEY", "DeepstackAtPositions", "Qwen3VLSpec", "deepstack_by
 
 @register_model("qwen3_vl")
 class Qwen3VLSpec(Qwen3VisionPart):
-    """Qwen3-VL: the part's defaults are this family's."""
+    processor_family = "qwen3_vl"
+    #: Liger (lmms_kernels.apply_liger): the vision tower's LayerNorm and GELU MLP stay upstream
+    liger_plan = {"rms_norm": ("Qwen3VLTextRMSNorm",), "mlp": ("Qwen3VLTextMLP",)}  # noqa: RUF012
+    config_class = "Qwen3VLConfig"
+    model_class = "Qwen3VLForConditionalGeneration"
+
+    def tiny_config(self, **overrides: Any) -> dict[str, Any]:
+        return merge_tiny(QWEN3_VL_TINY, overrides)
