@@ -63,11 +63,11 @@ def prepared_empty_mask(text_model: nn.Module) -> Iterator[None]:
 
 
 class Qwen2DecoderPart(ModelSpec):
-    """The Qwen2 dense decoder (``Qwen2ForCausalLM``); its defaults are the ``qwen2`` family's."""
+    """The Qwen2 dense decoder (``Qwen2ForCausalLM``: its config/model classes, TP plans, Liger
+    plan, the prepared mask mapping, the tiny config); the family states its processor."""
 
     tp_plan = QWEN2_TP_PLAN
     tp_sp_plan = QWEN2_TP_SP_PLAN
-    processor_family = "qwen2"
     liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
     config_class = "Qwen2Config"
     model_class = "Qwen2ForCausalLM"

@@ -11,4 +11,4 @@ __all__ = ["Qwen2Spec", "tiny_text"]
 
 @register_model("qwen2")
 class Qwen2Spec(Qwen2DecoderPart):
-    """Qwen2: the part's defaults are this family's."""
+    processor_family = "qwen2"
