@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _bagel_cases as cases  # noqa: E402
+import _bagel_cases as cases
 
 
 @pytest.fixture(scope="module")
