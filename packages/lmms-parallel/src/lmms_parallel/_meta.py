@@ -163,6 +163,7 @@ def load_full_state_dict(
                 if new is not None:
                     mapped[new] = value
             full = mapped
+        full = match_saved_names(full, model.state_dict())
     if not dist.is_initialized():
         model.load_state_dict(full, strict=strict)
         return
@@ -182,6 +183,45 @@ def load_full_state_dict(
         strict = False
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     set_model_state_dict(model, full, options=options)
+
+
+def match_saved_names(
+    saved: dict[str, torch.Tensor], expected: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Rename checkpoint keys that the model names under another prefix, by unique suffix.
+
+    A release's files and the model class can name the same weight differently: transformers 5
+    saves Qwen-VL families in the released layout (``visual.blocks.0...``, ``model.layers.0...``)
+    while its modules are ``model.visual.blocks.0...`` and ``model.language_model.layers.0...``;
+    ``from_pretrained`` renames on load, a meta-device build loaded here must too. Each saved key
+    the model lacks is matched to the one model key that ends with its longest possible tail
+    (``x.y.z`` -> ``...y.z``), that no saved key already names and whose shape is the same. A key
+    with no such unique match is left as it is (the strict load then names it): never a guess.
+    """
+    missing = set(expected) - set(saved)
+    unknown = [k for k in saved if k not in expected]
+    if not missing or not unknown:
+        return saved
+    by_tail: dict[str, list[str]] = {}
+    for key in missing:
+        parts = key.split(".")
+        for i in range(len(parts)):
+            by_tail.setdefault(".".join(parts[i:]), []).append(key)
+    renamed, taken = {}, set()
+    for key in unknown:
+        parts = key.split(".")
+        for i in range(len(parts)):
+            hits = by_tail.get(".".join(parts[i:]), [])
+            if not hits:
+                continue  # no model key ends so: try a shorter tail
+            same = tuple(expected[hits[0]].shape) == tuple(saved[key].shape)
+            if len(hits) == 1 and hits[0] not in taken and same:
+                renamed[key] = hits[0]
+                taken.add(hits[0])
+            break  # the longest tail that names model keys decides (several: ambiguous)
+    if len(set(renamed.values())) != len(renamed):
+        return saved
+    return {renamed.get(k, k): v for k, v in saved.items()}
 
 
 def _is_ep_key(model: nn.Module, key: str) -> bool:
