@@ -3,7 +3,8 @@
 transformers 5 saves Qwen-VL families with the released key names (``visual.*``,
 ``model.layers.*``) while its modules are ``model.visual.*`` / ``model.language_model.*``;
 ``from_pretrained`` renames on load, and ``lmms_parallel.load_full_state_dict`` must too (found by
-running ``fsdp: true`` from a saved Qwen2.5-VL folder: every weight was "missing")."""
+running ``fsdp: true`` from a saved Qwen2.5-VL folder: every weight was "missing"; LLaVA-OneVision
+saves ``language_model.model.*`` for ``model.language_model.*``)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from lmms_models import get_model_spec
 from lmms_parallel import load_full_state_dict, materialize, meta_init
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava_onevision"])
 def test_release_layout_loads_into_a_meta_built_model(tmp_path, family):
     spec = get_model_spec(family)
     torch.manual_seed(0)

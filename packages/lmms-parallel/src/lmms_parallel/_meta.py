@@ -195,8 +195,10 @@ def match_saved_names(
     while its modules are ``model.visual.blocks.0...`` and ``model.language_model.layers.0...``;
     ``from_pretrained`` renames on load, a meta-device build loaded here must too. Each saved key
     the model lacks is matched to the one model key that ends with its longest possible tail
-    (``x.y.z`` -> ``...y.z``), that no saved key already names and whose shape is the same. A key
-    with no such unique match is left as it is (the strict load then names it): never a guess.
+    (``x.y.z`` -> ``...y.z``), that no saved key already names and whose shape is the same; where
+    several model keys end so, the one whose prefix holds the same parts reordered
+    (LLaVA-OneVision's ``language_model.model.layers.0`` -> ``model.language_model.layers.0``).
+    A key with no such unique match is left as it is (the strict load then names it): no guess.
     """
     missing = set(expected) - set(saved)
     unknown = [k for k in saved if k not in expected]
@@ -214,11 +216,18 @@ def match_saved_names(
             hits = by_tail.get(".".join(parts[i:]), [])
             if not hits:
                 continue  # no model key ends so: try a shorter tail
-            same = tuple(expected[hits[0]].shape) == tuple(saved[key].shape)
-            if len(hits) == 1 and hits[0] not in taken and same:
+            if len(hits) > 1:  # several: the one whose prefix has the same parts, reordered
+                prefix = sorted(parts[:i])
+                hits = [
+                    h
+                    for h in hits
+                    if sorted(h.split(".")[: h.count(".") + 1 - (len(parts) - i)]) == prefix
+                ]
+            same = len(hits) == 1 and tuple(expected[hits[0]].shape) == tuple(saved[key].shape)
+            if same and hits[0] not in taken:
                 renamed[key] = hits[0]
                 taken.add(hits[0])
-            break  # the longest tail that names model keys decides (several: ambiguous)
+            break  # the longest tail that names model keys decides (still several: ambiguous)
     if len(set(renamed.values())) != len(renamed):
         return saved
     return {renamed.get(k, k): v for k, v in saved.items()}
