@@ -263,13 +263,12 @@ def test_registry_hooks(tiny):
     assert spec.default_objective == "ce_flow_matching"
 
 
+TWO_RANK_WORKER = "_bagel_workers:run"  # run in conftest's session-wide 2-rank spawn
+
+
 @pytest.fixture(scope="module")
-def spawned() -> list[dict]:
-    import _bagel_workers
-
-    from lmms_parallel.testing import spawn_ranks
-
-    return spawn_ranks(_bagel_workers.run, 2)
+def spawned(two_ranks) -> list[dict]:
+    return two_ranks(TWO_RANK_WORKER)
 
 
 @pytest.mark.multiprocess

@@ -12,16 +12,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 pytest.importorskip("diffusers")
-import _diffusion_workers
 
-from lmms_parallel.testing import spawn_ranks
 
 pytestmark = pytest.mark.multiprocess
 
 
+TWO_RANK_WORKER = "_diffusion_workers:run"  # run in conftest's session-wide 2-rank spawn
+
+
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return spawn_ranks(_diffusion_workers.run, 2)
+def results(two_ranks) -> list[dict]:
+    return two_ranks(TWO_RANK_WORKER)
 
 
 def test_wan_ulysses_sp2_equals_sp1(results) -> None:

@@ -12,14 +12,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import _linear_workers
 
-from lmms_parallel.testing import spawn_ranks
-
 pytestmark = pytest.mark.multiprocess
 
 
+TWO_RANK_WORKER = "_linear_workers:run"  # run in conftest's session-wide 2-rank spawn
+
+
 @pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return spawn_ranks(_linear_workers.run, 2)
+def results(two_ranks) -> list[dict]:
+    return two_ranks(TWO_RANK_WORKER)
 
 
 @pytest.mark.parametrize("name", _linear_workers.FAMILIES)

@@ -9,16 +9,13 @@ Upstream adds ``router_aux_loss_coef · load_balancing_loss_func(...)`` to its l
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from lmms_models import IGNORE_INDEX, get_model_spec
 from lmms_models.testing import SampleSpec, make_sample, pack_samples
-from lmms_parallel.testing import full_grads, spawn_ranks
+from lmms_parallel.testing import full_grads
 
 COEF = 0.01
 SP_COEF = 1.0
@@ -155,7 +152,7 @@ def test_pack_of_several_samples_matches_padded_upstream_batch():
 # ---------------------------------------------------------------- Ulysses SP (2 gloo ranks)
 
 
-def _sp_worker(rank, world, result_path):
+def _sp_worker(rank, world):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from lmms_parallel import SequenceParallel, UlyssesAttention
@@ -200,37 +197,23 @@ def _sp_worker(rank, world, result_path):
             sp_sum, sp_n = spec.packed_forward(model, batch, sp_group=group)
     finally:
         handle.remove()
-    torch.save(
-        {
-            "sp_sum": sp_sum,
-            "sp_n": sp_n,
-            "expected": expected,
-            "n_all": n_all,
-            "whole_row": whole_row,
-            "lm_sum": lm_sum,
-        },
-        f"{result_path}.{rank}",
-    )
-    return {}
+    values = {"sp_sum": sp_sum, "sp_n": sp_n, "expected": expected, "n_all": n_all,
+              "whole_row": whole_row, "lm_sum": lm_sum}  # fmt: skip
+    return {k: float(v) for k, v in values.items()}
+
+
+TWO_RANK_WORKER = "test_moe_aux:_sp_worker"  # run in conftest's session-wide 2-rank spawn
 
 
 @pytest.mark.multiprocess
-def test_sp2_aux_is_token_weighted_mean_of_slice_aux(tmp_path):
+def test_sp2_aux_is_token_weighted_mean_of_slice_aux(two_ranks):
     """Under Ulysses SP each rank's aux covers its slice, weighted by its loss-token count."""
-    # pytest imports this file under a path-derived name (importlib mode) that spawned workers
-    # cannot import; import it as a top-level module so the worker function pickles by name.
-    sys.path.insert(0, str(Path(__file__).parent))
-    import test_moe_aux
-
-    world = 2
-    spawn_ranks(test_moe_aux._sp_worker, world, str(tmp_path / "res"), timeout_s=60)
-    for rank in range(world):
-        r = torch.load(tmp_path / f"res.{rank}")
+    for r in two_ranks(TWO_RANK_WORKER):
         assert int(r["sp_n"]) == int(r["n_all"])
         torch.testing.assert_close(r["sp_sum"], r["expected"], rtol=1e-5, atol=1e-5)
-        assert float(r["sp_sum"] - r["lm_sum"]) > 1.0  # the aux term is there
+        assert r["sp_sum"] - r["lm_sum"] > 1.0  # the aux term is there
         # ... and it is not the whole row's aux (what one process computes for the pack)
-        assert abs(float(r["sp_sum"] - r["whole_row"])) > 1e-2
+        assert abs(r["sp_sum"] - r["whole_row"]) > 1e-2
 
 
 def test_expert_load_meter_counts_routed_tokens_once():
