@@ -17,6 +17,7 @@ SP each rank takes aux over its own slice (see ``families/qwen3_moe``).
 from __future__ import annotations
 
 import importlib
+import re
 import weakref
 from typing import Any
 
@@ -25,7 +26,13 @@ from torch import nn
 
 from ._capabilities import HasExperts
 
-__all__ = ["EXPERTS_EP_PLAN", "ExpertLoadMeter", "MoESpecMixin", "expert_load_meter"]
+__all__ = [
+    "EXPERTS_EP_PLAN",
+    "ExpertLoadMeter",
+    "MoESpecMixin",
+    "expert_load_meter",
+    "fuse_expert_weights",
+]
 
 #: Expert-parallel plan of the Qwen MoE decoders (Qwen3-MoE, Qwen3-VL-MoE, and the omni MoE
 #: thinkers that reuse their blocks): module patterns relative to the text decoder -> style.
@@ -47,6 +54,17 @@ class MoESpecMixin(HasExperts):
     ep_plan: dict[str, str] = EXPERTS_EP_PLAN
     tp_plan: dict[str, str] = {}  # noqa: RUF012  (sparse decoders scale with EP, not TP)
     tp_sp_plan: dict[str, str] = {}  # noqa: RUF012
+
+    def pretrained_weights(self, folder: str) -> str | dict[str, torch.Tensor]:
+        """The release's weights with per-expert matrices fused into transformers' 3-D experts
+        (:func:`fuse_expert_weights`): a meta-device build (FSDP2, EP) loads them by name, where
+        ``from_pretrained`` would convert them itself."""
+        weights = super().pretrained_weights(folder)  # type: ignore[misc]
+        if isinstance(weights, str):
+            from lmms_parallel import read_safetensors
+
+            weights = read_safetensors(weights)
+        return fuse_expert_weights(weights)
 
     # ---------------------------------------------------------------- router aux loss
     def router_aux_enabled(self, model: nn.Module) -> bool:
@@ -253,3 +271,34 @@ class ExpertLoadMeter:
 def expert_load_meter(model: nn.Module) -> ExpertLoadMeter | None:
     """The :class:`ExpertLoadMeter` installed on ``model``, if any."""
     return _METERS.get(model)
+
+
+_EXPERT_KEY = re.compile(
+    r"^(?P<base>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def fuse_expert_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert release keys (``...experts.<e>.{gate,up,down}_proj.weight``: Qwen3-MoE's and
+    Qwen3.5-MoE's published layout, and what transformers 5 saves for them) -> the 3-D experts
+    ``...experts.gate_up_proj [E, 2I, H]`` (each expert's gate rows, then its up rows) and
+    ``...experts.down_proj [E, H, I]``. A state dict without such keys comes back as it is."""
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in weights.items():
+        m = _EXPERT_KEY.match(key)
+        if m is None:
+            out[key] = value
+        else:
+            groups.setdefault(m["base"], {}).setdefault(m["proj"], {})[int(m["e"])] = value
+    for base, projs in groups.items():
+        n = 1 + max(max(p) for p in projs.values())
+        if any(
+            sorted(projs.get(p, {})) != list(range(n))
+            for p in ("gate_proj", "up_proj", "down_proj")
+        ):
+            raise KeyError(f"{base}: the release names only some experts' gate/up/down weights")
+        gate, up, down = projs["gate_proj"], projs["up_proj"], projs["down_proj"]
+        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([gate[e], up[e]]) for e in range(n)])
+        out[f"{base}.down_proj"] = torch.stack([down[e] for e in range(n)])
+    return out
