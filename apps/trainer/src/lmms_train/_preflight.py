@@ -262,12 +262,6 @@ class RunLock:
         f.flush()
         self._file = f
 
-    def release(self) -> None:
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
-            self._file.close()
-            self._file = None
     def held(self) -> bool:
         """Whether a live process holds the lock now (nothing is taken or written)."""
         try:
@@ -279,3 +273,9 @@ class RunLock:
             return True
         return False
 
+    def release(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
