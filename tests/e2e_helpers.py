@@ -89,6 +89,26 @@ def _launch(
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+_SEQUENCE = (
+    "import json, sys\n"
+    "from lmms_train.cli import main\n"
+    "print(json.dumps({n: main(a) for n, a in json.loads(sys.argv[1]).items()}))\n"
+)
+
+
+def run_cli_sequence(runs: dict[str, list[str]], *, timeout: float = 1800) -> dict[str, int]:
+    """Every ``lmms-train ARGS`` of `runs` ({name: ARGS}) one after another in ONE fresh
+    process (imports paid once, nothing inherited from the test process): {name: exit code}."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-c", _SEQUENCE, json.dumps(runs)]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"the reference runs' process exited {done.returncode}:\n{done.stderr[-3000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_cli(
     args: list[str], *, nproc: int = 1, timeout: int = 300, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:

@@ -44,6 +44,7 @@ from e2e_helpers import (
     llada_config,
     losses,
     run_cli_batch,
+    run_cli_sequence,
     step_rows,
     tiny_config,
     write_config,
@@ -188,21 +189,22 @@ def _selected(request) -> list[str]:
 
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory) -> dict[str, Case]:
-    """Each selected case's references (in this process), then all their 2-rank runs in one
-    torchrun launch."""
-    from lmms_train.cli import main
-
+    """Each selected case's 1-process references (one fresh process for all of them: run in the
+    test process they picked up state from earlier tests and gave other losses), then all
+    their 2-rank runs in one torchrun launch."""
     cases: dict[str, Case] = {}
     for name in _selected(request):
         tmp = tmp_path_factory.mktemp(name)
         try:
-            case = cases[name] = CASES[name](tmp, request)
-            if case.ref is not None and (code := main(case.ref)) != 0:
-                case.errors["ref"] = f"the 1-process reference exited {code} (stderr above)"
+            cases[name] = CASES[name](tmp, request)
         except pytest.skip.Exception as exc:
             cases[name] = Case(tmp, None, {}, skipped=str(exc))
         except Exception:
             cases[name] = Case(tmp, None, {}, errors={"ref": traceback.format_exc()})
+    refs = {n: c.ref for n, c in cases.items() if c.ref is not None and not c.errors}
+    for name, code in (run_cli_sequence(refs) if refs else {}).items():
+        if code != 0:
+            cases[name].errors["ref"] = f"the 1-process reference exited {code}"
     runs = {f"{n}/{layout}": args for n, c in cases.items() if not c.errors
             for layout, args in c.runs.items()}  # fmt: skip
     for key, error in run_cli_batch(runs, nproc=2).items():
