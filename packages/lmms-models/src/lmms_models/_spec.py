@@ -48,6 +48,16 @@ def shift_labels_packed(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
     return out
 
 
+def batch_shift_labels(
+    batch: dict[str, Any], cu: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """The row's next-token targets ``[T]`` on ``device``: the collated ``shift_labels`` (an SP
+    rank's slice) when the batch has them, else ``labels`` shifted within each segment of ``cu``."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"].to(device, non_blocking=True).reshape(-1)
+    return shift_labels_packed(batch["labels"].to(device).reshape(-1), cu)
+
+
 # Prepared masks for every layer type of the supported decoders: none (varlen attention takes the
 # segments from cu_seqlens). Layers index it by their config's layer type.
 _NO_MASKS = {"full_attention": None, "sliding_attention": None}
@@ -307,10 +317,7 @@ class ModelSpec:
         head = self.lm_head(model)
         dev = head.weight.device
         cu = batch["cu_seqlens"].to(dev, torch.int32, non_blocking=True)  # [n+1]
-        if "shift_labels" in batch:
-            shift = batch["shift_labels"].to(dev, non_blocking=True).reshape(-1)  # [T]
-        else:
-            shift = shift_labels_packed(batch["labels"].to(dev).reshape(-1), cu)
+        shift = batch_shift_labels(batch, cu, dev)  # [T]
         hidden, out = self.packed_hidden(model, batch)  # [T(/sp), H]
         extra = self.extra_loss(model, out, batch, sp_group=sp_group)  # per-token term or None
         if sp_group is None:  # `loss_rows` [T_l]: the LM head on the labelled rows only

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._spec import IGNORE_INDEX, shift_labels_packed
+from .._spec import IGNORE_INDEX, batch_shift_labels
 from ._base import Objective, ObjectiveContext, ObjectiveOutput, register_objective
 
 __all__ = ["DPO", "DPOOptions", "dpo_pair_losses"]
@@ -141,10 +141,7 @@ class DPO(Objective):
         head = spec.lm_head(model)
         dev = head.weight.device
         cu = batch["cu_seqlens"].to(dev, torch.int32, non_blocking=True)  # [n+1]
-        if "shift_labels" in batch:
-            shift = batch["shift_labels"].to(dev, non_blocking=True).reshape(-1)  # [T]
-        else:
-            shift = shift_labels_packed(batch["labels"].to(dev).reshape(-1), cu)
+        shift = batch_shift_labels(batch, cu, dev)  # [T]
         n_docs = 2 * n_pairs
         docs = _doc_ids(cu, shift.numel()).clamp_(max=n_docs)  # [T]; padding: index n_docs
         shift = torch.where(docs < n_docs, shift, torch.full_like(shift, IGNORE_INDEX))
