@@ -35,16 +35,10 @@ from lmms_train._convert_tables import (
     _TRAINERS,
     _VIDEO_EXTRA,
     DOC,
+    _registered_dataset_types,
 )
 
 __all__ = ["Conversion", "accept_engine", "convert", "looks_like_lmms_engine", "render"]
-
-
-def _registered_dataset_types() -> frozenset[str]:
-    """The record adapters lmms-data has registered (kept as they are by the conversion)."""
-    from lmms_data import DATASET_REGISTRY
-
-    return frozenset(DATASET_REGISTRY.names())
 
 
 @dataclass(kw_only=True, slots=True)

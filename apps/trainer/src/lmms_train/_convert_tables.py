@@ -188,3 +188,10 @@ _VIDEO_EXTRA = {"data_folder": "dataset_config.data_folder",
                 "frames_upbound": "dataset_config.video_max_frames"}  # fmt: skip
 _FREEZE = {"visual": "vision_tower", "vision_tower": "vision_tower", "audio_tower": "audio_tower",
            "embed_tokens": "embeddings", "lm_head": "lm_head"}  # fmt: skip
+
+
+def _registered_dataset_types() -> frozenset[str]:
+    """The record adapters lmms-data has registered (kept as they are by the conversion)."""
+    from lmms_data import DATASET_REGISTRY
+
+    return frozenset(DATASET_REGISTRY.names())
