@@ -103,7 +103,7 @@ def resolve_spec(cfg: TrainConfig) -> Any:
 def build_objective(cfg: TrainConfig, spec: Any = None) -> Any:
     """The run's objective (`model_config.objective` with `objective_args`); errors name the
     registered objectives and the objective's options."""
-    from lmms_models.objectives import get_objective, list_objectives
+    from lmms_models.objectives import OBJECTIVE_REGISTRY, get_objective, list_objectives
 
     m = cfg.model_config
     names = list_objectives()
@@ -115,7 +115,8 @@ def build_objective(cfg: TrainConfig, spec: Any = None) -> Any:
     args = dict(m.objective_args)
     if spec is not None and spec.default_objective == m.objective:
         args = {**spec.objective_defaults, **args}  # the family's parameterisation (wan: RF)
-    if m.objective == "masked_diffusion" and "shift" not in args and m.load_from_pretrained_path:
+    layout_shift = OBJECTIVE_REGISTRY[m.objective].layout_shift
+    if layout_shift and "shift" not in args and m.load_from_pretrained_path:
         from lmms_models.layouts import read_layout
 
         try:  # a release's layout says how its positions predict (Dream: shifted)
@@ -284,7 +285,8 @@ def build_model(
         handles.append(linear_patch_embed(spec.vision_tower(model)))
     if t.use_liger_kernel and spec.liger_plan:  # the family's modules to patch
         handles.append(_apply_liger(model, spec, env))
-    units = _apply_plans(model, spec, env, t, hf_config, handles, m.objective)  # TP/EP first
+    vp_head = objective.vocab_parallel_head
+    units = _apply_plans(model, spec, env, t, hf_config, handles, vp_head)  # TP/EP first
     if env.sp > 1:
         from lmms_parallel import UlyssesAttention, sp_group
 
@@ -359,12 +361,13 @@ def _apply_plans(
     t: Any,
     hf_config: Any,
     handles: list[Any],
-    objective: str = "causal_lm",
+    vocab_parallel_head: bool = True,
 ) -> list[tuple[nn.Module, Any]]:
     """MoE families: the experts implementation (`experts_backend`) and the expert-load meter
     (metrics `moe/*`); then the spec's TP plan (`tp_degree`) or EP plan (`ep_degree`), applied by
-    lmms-parallel; under TP with the `causal_lm` objective also the LM head's vocab-parallel
-    plan (its loss never gathers [T, vocab]; a head tied to the embeddings stays replicated).
+    lmms-parallel; under TP, for an objective whose loss takes it (`Objective.vocab_parallel_head`:
+    `causal_lm`), also the LM head's vocab-parallel plan (its loss never gathers [T, vocab]; a
+    head tied to the embeddings stays replicated).
     Returns the FSDP2 units of the experts under EP (sharded over the ranks that hold the same
     experts)."""
     from lmms_models import HasExperts
@@ -395,7 +398,7 @@ def _apply_plans(
         apply_tp(spec.plan_root(model), plan, tp_mesh(env.mesh), styles=spec.plan_styles())
         head = spec.lm_head(model)
         tied = head.weight is spec.embeddings(model)[0].weight
-        if objective == "causal_lm" and spec.tp_head_plan and not tied:
+        if vocab_parallel_head and spec.tp_head_plan and not tied:
             try:
                 apply_tp(model, spec.tp_head_plan, tp_mesh(env.mesh))
             except (ValueError, TypeError) as exc:  # e.g. a vocabulary tp does not divide

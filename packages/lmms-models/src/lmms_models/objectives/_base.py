@@ -118,6 +118,17 @@ class Objective:
     #: sample a chosen and a rejected document) against a frozen reference policy
     #: (``ObjectiveContext.reference``); the trainer checks both at start-up.
     preference: ClassVar[bool] = False
+    #: The loss is next-token cross-entropy through the LM head read only at the rows whose
+    #: ``shift_labels`` are set: ``trainer_args.loss_rows: labelled`` may run the head on those
+    #: rows alone (the pack's ``loss_rows``).
+    labelled_rows: ClassVar[bool] = False
+    #: The loss takes the LM head through the fused cross-entropy that accepts a
+    #: vocabulary-parallel head: under TP the trainer applies the family's ``tp_head_plan``
+    #: (never [T, vocab] on one rank); otherwise the head stays replicated.
+    vocab_parallel_head: ClassVar[bool] = False
+    #: The ``shift`` option (do positions predict the next token?) defaults to what a pretrained
+    #: folder's checkpoint layout says (``lmms_models.layouts.read_layout``: Dream's is shifted).
+    layout_shift: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         if self.Options is None:

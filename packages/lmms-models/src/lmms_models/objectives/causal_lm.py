@@ -20,6 +20,9 @@ __all__ = ["CausalLM"]
 class CausalLM(Objective):
     """Next-token prediction; normalised per supervised token of the global batch."""
 
+    labelled_rows = True
+    vocab_parallel_head = True
+
     def loss(
         self, spec: Any, model: nn.Module, batch: dict[str, Any], ctx: ObjectiveContext
     ) -> ObjectiveOutput:

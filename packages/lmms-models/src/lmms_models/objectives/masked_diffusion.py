@@ -110,6 +110,7 @@ class MaskedDiffusion(Objective):
     """Masked diffusion with 1/t weighting; see the module docstring for the exact loss."""
 
     requires = frozenset({"token_lm", "bidirectional_text"})
+    layout_shift = True
 
     Options = MaskedDiffusionOptions
 
