@@ -95,8 +95,8 @@ def _add_loss_rows(run: Run, batch: dict[str, Any]) -> None:
     (before the batch moves to the device; no device read). Causal LM without SP or TP only
     (an SP rank holds a slice of the rows; a TP-sharded head is left to its own path)."""
     t, env = run.cfg.trainer_args, run.env
-    objective = getattr(getattr(run.forward, "objective", None), "name", "causal_lm")
-    if t.loss_rows != "labelled" or env.sp > 1 or env.tp > 1 or objective != "causal_lm":
+    labelled = getattr(getattr(run.forward, "objective", None), "labelled_rows", True)
+    if t.loss_rows != "labelled" or env.sp > 1 or env.tp > 1 or not labelled:
         return
     shift = batch.get("shift_labels")
     if shift is not None and not (isinstance(shift, torch.Tensor) and shift.device.type != "cpu"):
