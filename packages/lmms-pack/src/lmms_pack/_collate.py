@@ -96,7 +96,6 @@ def collate_packed(
     cu_seqlens = np.zeros(len(seg_lens) + 1, dtype=np.int32)
     np.cumsum(seg_lens, out=cu_seqlens[1:])
     starts = cu_seqlens[:-1].astype(np.int64)
-    sample_starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
 
     input_ids = np.full(total, pad_token_id, dtype=np.int64)
     input_ids[:real] = np.concatenate([p[0] for p in parts])
@@ -106,26 +105,12 @@ def collate_packed(
     shift_labels = np.full(total, ignore_index, dtype=np.int64)
     shift_labels[:-1] = labels[1:]  # sample ends see the next start (ignored) or padding
 
-    # Positions: arange per segment, then the samples' own positions where given.
     flat = np.arange(total, dtype=np.int64) - np.repeat(starts, seg_lens)
-    rows = {p[2].shape[0] for p in parts if p[2] is not None and p[2].ndim == 2}
-    if len(rows) > 1:
-        raise ValueError(
-            f"samples of one pack carry position_ids with different row counts {sorted(rows)}"
-        )
-    position_ids = np.tile(flat, (rows.pop(), 1)) if rows else flat
-    given = [p[2].dtype for p in parts if p[2] is not None]
-    if any(np.issubdtype(d, np.floating) for d in given):  # fractional positions kept as given
-        position_ids = position_ids.astype(np.result_type(*given))
-    for (_, _, pos), a, b in zip(parts, sample_starts, sample_starts + lens):
-        if pos is not None:
-            position_ids[..., a:b] = pos
-
     row = {
         "input_ids": input_ids,
         "labels": labels,
         "shift_labels": shift_labels,
-        "position_ids": position_ids,
+        "position_ids": _positions(parts, lens, flat),
         "cu_seqlens": cu_seqlens,
         "max_seqlen": int(seg_lens.max()),
         "num_samples": n,
@@ -136,6 +121,27 @@ def collate_packed(
             [len(s.get("segments") or [0]) for s in samples], dtype=np.int64
         )
     return row
+
+
+def _positions(
+    parts: list[tuple[np.ndarray, np.ndarray, Any]], lens: np.ndarray, flat: np.ndarray
+) -> np.ndarray:
+    """Row positions: ``flat`` (``[T]``, restarting per segment), tiled to ``[R, T]`` when a
+    sample carries ``[R, L]`` positions, then the samples' own positions where given."""
+    rows = {p[2].shape[0] for p in parts if p[2] is not None and p[2].ndim == 2}
+    if len(rows) > 1:
+        raise ValueError(
+            f"samples of one pack carry position_ids with different row counts {sorted(rows)}"
+        )
+    position_ids = np.tile(flat, (rows.pop(), 1)) if rows else flat
+    given = [p[2].dtype for p in parts if p[2] is not None]
+    if any(np.issubdtype(d, np.floating) for d in given):  # fractional positions kept as given
+        position_ids = position_ids.astype(np.result_type(*given))
+    sample_starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    for (_, _, pos), a, b in zip(parts, sample_starts, sample_starts + lens):
+        if pos is not None:
+            position_ids[..., a:b] = pos
+    return position_ids
 
 
 def _documents(samples: Sequence[Mapping[str, Any]], lens: np.ndarray) -> np.ndarray:

@@ -227,10 +227,8 @@ class StreamPacker(Generic[T]):
         try:
             if budget is not None:
                 yield from self._loop_budget(iter(items), length, budget)
-            elif self.strategy == "best_fit":
-                yield from self._loop_best_fit(iter(items), length)
-            else:  # first_fit; next_fit is first fit over one open bin
-                yield from self._loop_first_fit(iter(items), length)
+            else:
+                yield from self._loop(iter(items), length)
             if flush:
                 while self._bins:
                     b = self._bins.pop(0)
@@ -282,9 +280,11 @@ class StreamPacker(Generic[T]):
         self.stats.skipped += 1
         return item, 0, 0
 
-    def _loop_first_fit(self, items: Iterator[T], length: Callable[[T], int]) -> Iterator[list[T]]:
+    def _loop(self, items: Iterator[T], length: Callable[[T], int]) -> Iterator[list[T]]:
+        """first_fit and best_fit (next_fit is first fit over one open bin), no budget."""
         cap, maxb = self.capacity, self.max_open_bins
         bins, rem = self._bins, self._rem
+        best_fit = self.strategy == "best_fit"
         emitted = self._emitted
         for item in items:
             n = length(item)
@@ -297,12 +297,22 @@ class StreamPacker(Generic[T]):
                     continue
                 if not n:
                     continue
-            i = 0
-            for r in rem:  # first fit: earliest-opened bin with room
-                if r >= n:
-                    break
-                i += 1
-            else:  # fits nowhere: open a new bin, evicting the fullest when all are open
+            if best_fit:  # least room left that still fits; ties keep the earliest
+                i = found = -1
+                least = cap  # every open bin has < cap tokens left
+                for r in rem:
+                    i += 1
+                    if n <= r < least:
+                        found, least = i, r
+            else:  # first fit: earliest-opened bin with room
+                found = 0
+                for r in rem:
+                    if r >= n:
+                        break
+                    found += 1
+                else:
+                    found = -1
+            if found < 0:  # fits nowhere: open a new bin, evicting the fullest when all are open
                 if len(rem) < maxb:
                     bins.append([item])
                     rem.append(cap - n)
@@ -315,58 +325,13 @@ class StreamPacker(Generic[T]):
                 emitted(b, cap - r)
                 yield b
                 continue
-            r = rem[i] - n
+            r = rem[found] - n
             if r:
-                rem[i] = r
-                bins[i].append(item)
+                rem[found] = r
+                bins[found].append(item)
             else:  # exactly full
-                b = bins.pop(i)
-                del rem[i]
-                b.append(item)
-                emitted(b, cap)
-                yield b
-
-    def _loop_best_fit(self, items: Iterator[T], length: Callable[[T], int]) -> Iterator[list[T]]:
-        cap, maxb = self.capacity, self.max_open_bins
-        bins, rem = self._bins, self._rem
-        emitted = self._emitted
-        for item in items:
-            n = length(item)
-            if not 0 < n < cap:
-                item, n, _ = self._irregular(item, n, 0, length, None)
-                if n == cap:
-                    b = [item]
-                    emitted(b, cap)
-                    yield b
-                    continue
-                if not n:
-                    continue
-            i = best = -1
-            least = cap  # every open bin has < cap tokens left
-            for r in rem:  # best fit: least room left that still fits; ties keep the earliest
-                i += 1
-                if n <= r < least:
-                    best, least = i, r
-            if best < 0:
-                if len(rem) < maxb:
-                    bins.append([item])
-                    rem.append(cap - n)
-                    continue
-                j = rem.index(min(rem))
-                b = bins.pop(j)
-                r = rem.pop(j)
-                bins.append([item])
-                rem.append(cap - n)
-                emitted(b, cap - r)
-                yield b
-                continue
-            r = least - n
-            if r:
-                rem[best] = r
-                bins[best].append(item)
-            else:
-                b = bins.pop(best)
-                del rem[best]
+                b = bins.pop(found)
+                del rem[found]
                 b.append(item)
                 emitted(b, cap)
                 yield b
