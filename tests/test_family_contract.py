@@ -197,3 +197,49 @@ def test_family_name_detector_finds(tmp_path):
     )
     found = family_names_in(src, ["wan", "sit", "bagel", "qwen2"], tmp_path)
     assert [f.split(": ", 1)[1] for f in found] == ["wan (render_wan)", "sit (sit)"]
+
+
+def objective_branches(path: Path, objectives: list[str], root: Path = ROOT) -> list[str]:
+    """``file:line: source`` of each comparison with an objective's name (``objective ==
+    "causal_lm"``, ``name in ("dpo", ...)``, ``!=``, ``not in``) in ``path``: a branch on which
+    objective runs, where the objective should declare what the caller needs to know."""
+    wanted = set(objectives)
+
+    def names_one(node: ast.expr) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in wanted
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(names_one(e) for e in node.elts)
+        return False
+
+    tree = ast.parse(path.read_text(), str(path))
+    return [
+        f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare) and any(map(names_one, [node.left, *node.comparators]))
+    ]
+
+
+def test_no_branching_on_objective_names():
+    from lmms_models.objectives import list_objectives
+
+    found = [
+        hit for path in _sources(NAME_FREE) for hit in objective_branches(path, list_objectives())
+    ]
+    assert not found, (
+        "declare what the caller needs as an attribute of the objective class "
+        "(lmms_models.objectives.Objective: labelled_rows, vocab_parallel_head, layout_shift, "
+        "preference, requires, ...) and read it; found comparisons with objective names:\n"
+        + "\n".join(found)
+    )
+
+
+def test_objective_branch_detector_finds(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text(
+        'if objective != "causal_lm":\n    pass\n'
+        'ok = m.objective in ("dpo", "other")\n'
+        'fine = get_objective("causal_lm")  # naming a default is not a branch\n'
+    )
+    found = objective_branches(src, ["causal_lm", "dpo"], tmp_path)
+    assert [f.split(": ", 1)[0] for f in found] == ["x.py:1", "x.py:3"]
