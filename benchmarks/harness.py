@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 HEADER = (
@@ -128,6 +129,28 @@ def environment() -> dict[str, str]:
     if torch is not None and torch.cuda.is_available():
         env["gpu"] = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
     return env
+
+
+def device_ms(fn: Callable[[], object], device: Any, *, warmup: int, iters: int) -> float:
+    """Median milliseconds per call of ``fn()`` on a torch ``device`` (CUDA synchronised after
+    each call, so the time covers the kernels, not just their launch)."""
+
+    def call() -> None:
+        fn()
+        if device.type == "cuda":
+            sys.modules["torch"].cuda.synchronize(device)
+
+    return timeit(call, repeat=iters, warmup=warmup).wall_median * 1e3
+
+
+def torch_meta(dtype: object, shape: str) -> dict[str, str]:
+    """``environment()`` plus the dtype, shape and command of a torch benchmark, and a one-line
+    ``header`` naming the device (for ``report``)."""
+    meta = {**environment(), "dtype": str(dtype), "shape": shape}
+    meta["command"] = "python " + " ".join(sys.argv)
+    device = meta.get("gpu", meta["cpu"])
+    meta["header"] = f"# {device}, torch {meta.get('torch', '?')}, {dtype}, {shape}"
+    return meta
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

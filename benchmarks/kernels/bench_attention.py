@@ -64,21 +64,6 @@ def _fwd_bwd(q, k, v, go, cu, mx, causal, backend):
     torch.autograd.grad(out, (q, k, v), go)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _ms(fn, device: torch.device, *, warmup: int, iters: int) -> float:
-    """Median milliseconds per call (the shared harness times; we synchronise CUDA inside)."""
-
-    def call():
-        fn()
-        _sync(device)
-
-    return harness.timeit(call, repeat=iters, warmup=warmup).wall_median * 1e3
-
-
 def main() -> None:
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,24 +92,18 @@ def main() -> None:
                 fwd_bwd = functools.partial(_fwd_bwd, q, k, v, go, cu, mx, causal, be)
                 row = {"T": t, "docs": len(lens), "mode": mode, "backend": be}
                 try:
-                    ms_f = _ms(fwd, device, warmup=args.warmup, iters=args.iters)
+                    ms_f = harness.device_ms(fwd, device, warmup=args.warmup, iters=args.iters)
                     row.update(fwd_ms=ms_f, fwd_tflops=fwd_flops / ms_f / 1e9)
                     if device.type == "cuda" or be != "flex":  # flex has no CPU backward
-                        ms_b = _ms(fwd_bwd, device, warmup=args.warmup, iters=args.iters)
+                        ms_b = harness.device_ms(
+                            fwd_bwd, device, warmup=args.warmup, iters=args.iters
+                        )
                         row.update(fwdbwd_ms=ms_b, fwdbwd_tflops=3.5 * fwd_flops / ms_b / 1e9)
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {e}"[:80]
                 rows.append(row)
                 print(row, file=sys.stderr, flush=True)
-    meta = {
-        **harness.environment(),
-        "dtype": str(dtype),
-        "shape": f"H={h} KV={kv} D={d}, doc median {args.doc_median}",
-        "command": "python " + " ".join(sys.argv),
-    }
-    meta["header"] = (
-        f"# {meta.get('gpu', meta['cpu'])}, torch {torch.__version__}, {dtype}, {meta['shape']}"
-    )
+    meta = harness.torch_meta(dtype, f"H={h} KV={kv} D={d}, doc median {args.doc_median}")
     cols = [
         "T",
         "docs",

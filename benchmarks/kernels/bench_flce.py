@@ -62,32 +62,17 @@ def _step(fn, h, w, y):
     return loss, gh, gw
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _ms(fn, device: torch.device, *, warmup: int, iters: int) -> float:
-    """Median milliseconds per call (the shared harness times; we synchronise CUDA inside)."""
-
-    def call():
-        fn()
-        _sync(device)
-
-    return harness.timeit(call, repeat=iters, warmup=warmup).wall_median * 1e3
-
-
 def _peak_mib(fn, device: torch.device) -> float | None:
     """Peak CUDA memory allocated above the current level while running ``fn()`` once."""
     if device.type != "cuda":
         return None
     gc.collect()
     torch.cuda.empty_cache()
-    _sync(device)
+    torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     fn()
-    _sync(device)
+    torch.cuda.synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
@@ -130,22 +115,14 @@ def main() -> None:
                 row["loss_rel_err"] = float((loss.float() - ref[0]).abs() / ref[0].abs())
                 row["grad_h_max_err"] = float((gh.float() - ref[1]).abs().max())
                 del loss, gh, gw
-                row["ms"] = _ms(step, device, warmup=args.warmup, iters=args.iters)
+                row["ms"] = harness.device_ms(step, device, warmup=args.warmup, iters=args.iters)
                 row["peak_mib"] = _peak_mib(step, device)
             except torch.cuda.OutOfMemoryError:
                 row["error"] = "out of memory"
             rows.append(row)
             print(row, file=sys.stderr, flush=True)
         del h, y, ref, step
-    meta = {
-        **harness.environment(),
-        "dtype": str(dtype),
-        "shape": f"Hd={args.hidden} V={args.vocab}, fwd+bwd",
-        "command": "python " + " ".join(sys.argv),
-    }
-    meta["header"] = (
-        f"# {meta.get('gpu', meta['cpu'])}, torch {torch.__version__}, {dtype}, {meta['shape']}"
-    )
+    meta = harness.torch_meta(dtype, f"Hd={args.hidden} V={args.vocab}, fwd+bwd")
     cols = ["T", "impl", "ms", "peak_mib", "loss_rel_err", "grad_h_max_err", "error"]
     title = (
         "lmms-kernels: fused linear cross-entropy vs logits + CE (benchmarks/kernels/bench_flce.py)"
