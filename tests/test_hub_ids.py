@@ -271,3 +271,22 @@ def test_only_id_shaped_paths_are_resolved(offline, tmp_path):
     assert first == "data/missing.jsonl" and second.endswith(
         f"{offline['data_commit']}/**/*.parquet"
     )
+
+
+def test_plan_reads_hub_ids_offline(offline, tmp_path, capsys):
+    """`lmms-train plan` resolves the model id as training does (from the cache, offline; its
+    configs only: the model is built on meta); the data is not read, so a dataset id that is not
+    cached is no problem; a model id that is not cached is the same one line."""
+    from e2e_helpers import write_config
+
+    cfg = _config(tmp_path / "a", f"lmms-test/tiny-qwen2@{offline['commit']}", "lmms-test/no-data")
+    assert main(["plan", str(write_config(cfg, tmp_path / "plan.yaml")), "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("qwen2: ") and "B parameters" in out, out
+    cfg = _config(tmp_path / "b", "lmms-test/not-cached", "lmms-test/no-data")
+    assert main(["plan", str(write_config(cfg, tmp_path / "missing.yaml"))]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("lmms-train: error:")]
+    assert len(lines) == 1, err
+    assert "model_config.load_from_pretrained_path: 'lmms-test/not-cached'" in lines[0]
+    assert str(offline["cache"]) in lines[0] and "HF_HUB_OFFLINE=1" in lines[0]

@@ -4,7 +4,8 @@
 the model, tokenizer/processor and dataset paths of a config by the local snapshot folder of the
 standard cache (`lmms_data.resolve_hub_path`: downloads once per node, offline reads the cache);
 the rest of the trainer then reads local folders as before. It runs first in the preflight
-(`_preflight.config_problems`) and in the subcommands that read a config without training.
+(`_preflight.config_problems`) and in the subcommands that read a config without training
+(`check-data`; `plan` without weights or data: it builds the model on meta and reads no data).
 """
 
 from __future__ import annotations
@@ -42,18 +43,22 @@ def _resolve(obj: Any, attr: str, key: str, kind: str, problems: list[str]) -> N
     setattr(obj, attr, value)
 
 
-def resolve_config_hub_ids(cfg: TrainConfig) -> list[str]:
+def resolve_config_hub_ids(
+    cfg: TrainConfig, *, weights: bool = True, datasets: bool = True
+) -> list[str]:
     """Resolve the config's Hub ids in place to local cache folders; one line per id that
-    cannot be resolved (not cached while offline, unknown repo, ...)."""
+    cannot be resolved (not cached while offline, unknown repo, ...). `weights=False`: the
+    model's configs and tokenizer files only (what `plan` reads: the model is built on meta);
+    `datasets=False`: the data paths stay as written."""
     m, d = cfg.model_config, cfg.dataset_config
     problems: list[str] = []
-    _resolve(m, "load_from_pretrained_path", "model_config.load_from_pretrained_path", "model",
-             problems)  # fmt: skip
+    _resolve(m, "load_from_pretrained_path", "model_config.load_from_pretrained_path",
+             "model" if weights else "processor", problems)  # fmt: skip
     if not m.build_local_processor:  # a folder to build into, never a Hub id
         _resolve(m, "processor_path", "model_config.processor_path", "processor", problems)
         _resolve(d, "processor_path", "dataset_config.processor_path", "processor", problems)
     generated = d.dataset_path if d.generate_synthetic is not None else None
-    for attr in ("dataset_path", "eval_dataset_path"):
+    for attr in ("dataset_path", "eval_dataset_path") if datasets else ():
         if getattr(d, attr) != generated:  # a folder the demo data is generated into
             _resolve(d, attr, f"dataset_config.{attr}", "dataset", problems)
     return problems
@@ -71,8 +76,8 @@ def resolve_path_arg(value: str | None, kind: str, what: str) -> str | None:
         raise UserError(f"{what}: {exc}") from None
 
 
-def raise_hub_problems(cfg: TrainConfig) -> None:
+def raise_hub_problems(cfg: TrainConfig, *, weights: bool = True, datasets: bool = True) -> None:
     """`resolve_config_hub_ids` for commands without a preflight: problems raise one report."""
-    problems = resolve_config_hub_ids(cfg)
+    problems = resolve_config_hub_ids(cfg, weights=weights, datasets=datasets)
     if problems:
         raise ConfigError(problems)

@@ -4,6 +4,8 @@ Prints the memory plan of CONFIG's layout on N GPUs of the given memory (default
 machine's GPU, else an H100 80 GB, 79.2 GiB as torch reports it), nothing built on a GPU: the
 model is built on the meta device. When it does not fit: the settings that would make it fit.
 Always: the layout `trainer_args.memory: auto` would pick. Exit 0 (fits) or 3 (does not fit).
+A Hub id as the model or processor (`org/name[@revision]`) is read from the Hugging Face cache
+(downloaded first unless HF_HUB_OFFLINE=1: its configs and tokenizer files, never the weights).
 """
 
 from __future__ import annotations
@@ -77,6 +79,9 @@ def plan_main(args: list[str]) -> int:
     except ValueError as exc:
         raise UserError(f"{PLAN_USAGE}\n{exc}") from None
     cfg = load_config(args[0], args[1:])
+    from lmms_train._hub_ids import raise_hub_problems
+
+    raise_hub_problems(cfg, weights=False, datasets=False)  # Hub ids -> cache folders (config only)
     text, plan, _ = plan_report(cfg, gpus=n, gpu_gib=gib, media_share=media)
     print(text, flush=True)
     return 0 if plan is None or plan.fits else EXIT_DOES_NOT_FIT
