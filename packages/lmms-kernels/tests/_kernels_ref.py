@@ -49,6 +49,7 @@ _TEXT = dict(
     head_dim=8,
     max_position_embeddings=256,
 )
+_VISION = dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
 TINY_CONFIGS = {
     "qwen2": dict(_TEXT),
     "qwen3": dict(_TEXT),
@@ -62,15 +63,7 @@ TINY_CONFIGS = {
     ),
     "qwen2_5_vl": dict(
         text_config=dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
-        vision_config=dict(
-            depth=2,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=32,
-            window_size=28,
-            fullatt_block_indexes=[1],
-        ),
+        vision_config=dict(_VISION, window_size=28, fullatt_block_indexes=[1]),
     ),
     "qwen3_vl": dict(
         text_config=dict(
@@ -81,15 +74,7 @@ TINY_CONFIGS = {
                 "mrope_interleaved": True,
             },
         ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=32,
-            deepstack_visual_indexes=[0],
-            num_position_embeddings=16,
-        ),
+        vision_config=dict(_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16),
     ),
 }
 

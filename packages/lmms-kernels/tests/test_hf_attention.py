@@ -1,24 +1,18 @@
 import pytest
 import torch
+from _kernels_ref import tiny_model
 from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 
 import lmms_kernels as lk
 
+V = 101  # vocabulary of the tiny models (_kernels_ref.TINY_CONFIGS)
 
-def _tiny_qwen2(attn="sdpa"):
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        use_cache=False,
-        attn_implementation=attn,
-    )
-    return Qwen2ForCausalLM(cfg).eval()
+
+def _tiny_qwen2():
+    """The shared tiny Qwen2 (vocab ``V``), in eval mode, on SDPA."""
+    model = tiny_model("qwen2").eval()
+    assert model.config._attn_implementation == "sdpa" and model.config.vocab_size == V
+    return model
 
 
 def test_packed_row_matches_per_sample_forward():
@@ -27,7 +21,7 @@ def test_packed_row_matches_per_sample_forward():
     model = _tiny_qwen2()
     lens = [5, 9, 3]
     gen = torch.Generator().manual_seed(0)
-    samples = [torch.randint(0, 97, (n,), generator=gen) for n in lens]
+    samples = [torch.randint(0, V, (n,), generator=gen) for n in lens]
     with torch.no_grad():
         ref = torch.cat([model(input_ids=s[None]).logits[0] for s in samples])
         model.config._attn_implementation = name
@@ -54,7 +48,7 @@ def test_packed_row_matches_per_sample_forward():
 def test_padding_mask_is_unpadded_and_4d_mask_raises():
     name = lk.register_varlen_attention("lmms_test_varlen_pad", backend="sdpa")
     model = _tiny_qwen2()
-    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, :3] = 0  # left padding
     with torch.no_grad():
@@ -136,8 +130,6 @@ def _set_attn(model, name):
 
 
 def test_qwen2_5_vl_vision_tower_flash_name_matches_sdpa():
-    from _kernels_ref import tiny_model
-
     calls = []
 
     def wrapper(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, softmax_scale, inner):
