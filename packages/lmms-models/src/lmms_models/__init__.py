@@ -14,6 +14,7 @@ from ._capabilities import (
     RenderRequest,
     Renders,
 )
+from ._data_plan import DataPlan, LatentBatches, ModelPackedRows, TokenRows
 from ._diffusion import DiffusionSpec, attach_encoder, get_encoder, place_encoders
 from ._flops import attention_flops
 from ._lora import LoraHandle, LoraOptions, apply_lora, quantize_base_nf4
@@ -38,21 +39,25 @@ __all__ = [
     "MODEL_REGISTRY",
     "TINY_TOKEN_IDS",
     "UPSTREAM_BACKENDS",
+    "DataPlan",
     "DiffusionSpec",
     "ExpertLoadMeter",
     "FamilyUnavailableError",
     "GeneratesLatents",
     "HasExperts",
+    "LatentBatches",
     "LoraHandle",
     "LoraOptions",
     "MixedGeneration",
     "MoESpecMixin",
+    "ModelPackedRows",
     "ModelSpec",
     "PatchEmbedHandle",
     "QwenVLSpec",
     "RenderRequest",
     "Renders",
     "SplitVision",
+    "TokenRows",
     "TowerShape",
     "VisionSplitPlan",
     "apply_lora",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ._capabilities import GeneratesLatents
+from ._data_plan import LatentBatches
 from ._flops import attention_flops
 from ._spec import ModelSpec
 
@@ -164,6 +165,12 @@ class DiffusionSpec(ModelSpec, GeneratesLatents):
             return self.tokens_per_sample(hf, shape)
 
         return fn
+
+    def data_plan(self, model_config: Callable[[], dict[str, Any]]) -> LatentBatches:
+        """Latent batches (lmms_data's latent loader) with :meth:`tokens_fn` and
+        :meth:`num_classes` of the model's config."""
+        config = model_config()
+        return LatentBatches(tokens_fn=self.tokens_fn(config), num_classes=self.num_classes(config))
 
     # ---------------------------------------------------------------- objective hooks
     def diffusion_inputs(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, Any]:

@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _flops
 from ._attention import set_attention, text_attention_kwargs
+from ._data_plan import DataPlan, TokenRows
+from ._rows import IGNORE_INDEX, batch_shift_labels, shift_labels_packed, to_device
+from ._spec_estimates import SpecEstimates
 
 __all__ = ["IGNORE_INDEX", "ModelSpec", "shift_labels_packed", "to_device"]
-
-IGNORE_INDEX = -100
 
 #: Config keys lmms itself reads from a family's config (masked diffusion: attention made
 #: bidirectional, the shifted layout of a dLLM export).
@@ -39,41 +38,12 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def shift_labels_packed(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``labels [T]`` shifted left within each segment; each segment's last position is ignored."""
-    out = torch.full_like(labels, IGNORE_INDEX)  # [T]
-    out[:-1] = labels[1:]
-    ends = cu_seqlens[1:].to(labels.device).long() - 1
-    out[ends[ends >= 0]] = IGNORE_INDEX
-    return out
-
-
-def batch_shift_labels(
-    batch: dict[str, Any], cu: torch.Tensor, device: torch.device
-) -> torch.Tensor:
-    """The row's next-token targets ``[T]`` on ``device``: the collated ``shift_labels`` (an SP
-    rank's slice) when the batch has them, else ``labels`` shifted within each segment of ``cu``."""
-    if "shift_labels" in batch:
-        return batch["shift_labels"].to(device, non_blocking=True).reshape(-1)
-    return shift_labels_packed(batch["labels"].to(device).reshape(-1), cu)
-
-
 # Prepared masks for every layer type of the supported decoders: none (varlen attention takes the
 # segments from cu_seqlens). Layers index it by their config's layer type.
 _NO_MASKS = {"full_attention": None, "sliding_attention": None}
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` without making the host wait: a CPU tensor bound for CUDA goes through
-    pinned memory with a non-blocking copy (a pageable source would synchronise the stream)."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
-class ModelSpec:
+class ModelSpec(SpecEstimates):
     """Base class of the model families; instances live in :data:`lmms_models.MODEL_REGISTRY`.
 
     Class attributes a family sets:
@@ -277,6 +247,14 @@ class ModelSpec:
         ``load_from_pretrained_path`` folder, or None): rewrite the release's layout if the
         family has one (default: nothing)."""
         return None
+
+    # ---------------------------------------------------------------- data
+    def data_plan(self, model_config: Callable[[], dict[str, Any]]) -> DataPlan:
+        """How this family's records become training rows (:mod:`lmms_models._data_plan`;
+        lmms-train implements each plan): default :class:`TokenRows` of ``processor_family``.
+        ``model_config()`` gives the model's config dict as built, for plans that derive from it.
+        """
+        return TokenRows()
 
     # ---------------------------------------------------------------- packed forward
     def packed_forward(
@@ -593,75 +571,6 @@ class ModelSpec:
         """Modules whose matrices the Muon optimizer leaves to AdamW besides the embeddings and
         the LM head (default: none; e.g. BAGEL's modality projections)."""
         return []
-
-    # ---------------------------------------------------------------- FLOPs
-    def lm_matmul_params(self, config: Any) -> int:
-        """Parameters in a matmul per token (see :mod:`lmms_models._flops`)."""
-        return _flops.dense_lm_matmul_params(self.text_config(config))
-
-    def lm_flops(self, config: Any, seq_lens: Sequence[int], *, causal_half: bool = False) -> float:
-        """Training FLOPs of the language model on segments ``seq_lens``: ``6·N·Σs + attention``."""
-        cfg = self.text_config(config)
-        n_layers = _flops._get(cfg, "num_hidden_layers")
-        width = _flops._get(cfg, "num_attention_heads") * _flops.head_dim(cfg)
-        dense = 6.0 * self.lm_matmul_params(config) * sum(seq_lens)
-        return dense + _flops.attention_flops(n_layers, width, seq_lens, causal_half=causal_half)
-
-    def lm_flops_per_token(
-        self, config: Any, seq_lens: Sequence[int], *, causal_half: bool = False
-    ) -> float:
-        """:meth:`lm_flops` divided by the number of tokens."""
-        return self.lm_flops(config, seq_lens, causal_half=causal_half) / max(1, sum(seq_lens))
-
-    def vision_flops(self, config: Any, grid_thw: Any) -> float:
-        """Training FLOPs of the vision tower for images/videos of ``grid_thw [n, 3]``."""
-        return 0.0
-
-    def pack_vision_flops(self, config: Any, batch: dict[str, Any]) -> float:
-        """Vision FLOPs of a packed batch (default: :meth:`vision_flops` of its image and video
-        grids; a family whose media carry no grid, e.g. LLaVA-OneVision's tiles, overrides)."""
-        total = 0.0
-        for key in ("image_grid_thw", "video_grid_thw"):
-            grid = batch.get(key)
-            if grid is not None and len(grid):
-                total += float(self.vision_flops(config, grid))
-        return total
-
-    def media_flops(self, config: Any, batch: dict[str, Any]) -> float:
-        """Training FLOPs of the media towers on a packed batch (what MFU adds to the LM's):
-        :meth:`pack_vision_flops`; audio families add their encoder."""
-        return self.pack_vision_flops(config, batch)
-
-    def pack_flops(
-        self, config: Any, batch: dict[str, Any], lens: Sequence[int] | None = None
-    ) -> tuple[float, ...]:
-        """Training FLOPs of one packed batch with segments ``lens`` (default: from its
-        ``cu_seqlens``), what the trainer's MFU reads: ``(LM, media, LM with causal attention
-        halved, LM-head FLOPs not run)``; the last is the head's ``6·H·V`` for every token the
-        head skipped (the batch's ``loss_rows`` hold the rows run). A family that counts from
-        the pack itself (BAGEL: its mask and experts) returns ``(decoder, media)``."""
-        if lens is None:
-            cu = batch["cu_seqlens"].tolist()
-            lens = [b - a for a, b in itertools.pairwise(cu)]
-        lm = float(self.lm_flops(config, lens))
-        half = float(self.lm_flops(config, lens, causal_half=True))
-        skipped = 0.0
-        rows = batch.get("loss_rows")
-        if rows is not None:
-            text = self.text_config(config)
-            head = 6.0 * float(text.hidden_size) * float(text.vocab_size)
-            skipped = head * max(0, sum(lens) - len(rows))
-        return lm, float(self.media_flops(config, batch)), half, skipped
-
-    # ---------------------------------------------------------------- memory plan
-    def memory_towers(self, config: Any) -> dict[str, Any]:
-        """``{tower: lmms_models.TowerShape}`` for the memory plan (``lmms-train plan``): the
-        decoder from the text config by default; a family with a vision or audio tower adds it
-        under the name its blocks are checkpointed by (``"vision"``). Raises NotImplementedError
-        where the family's blocks are not of that shape (the plan then says so)."""
-        from ._memory import decoder_tower
-
-        return {"decoder": decoder_tower(self.text_config(config))}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

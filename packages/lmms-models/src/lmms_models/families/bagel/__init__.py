@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..._capabilities import MixedGeneration, RenderRequest, Renders
+from ..._data_plan import ModelPackedRows
 from ..._registry import register_model
 from ..._spec import ModelSpec
 from ._mask import CAUSAL, FULL, NOISE, PackLayout, dense_mask, span_attention
@@ -248,6 +249,15 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
         return model
 
     # ---------------------------------------------------------------- data (lmms-train)
+    def data_plan(self, model_config: Callable[[], dict[str, Any]]) -> ModelPackedRows:
+        """Rows of parts (the ``bagel`` processor, :meth:`processor_options` of the model's
+        config) that :meth:`finish_pack` packs on the host."""
+        config = model_config()
+        return ModelPackedRows(
+            processor_options=self.processor_options(config),
+            finish=functools.partial(self.finish_pack, config),
+        )
+
     def processor_options(self, config: dict[str, Any] | BagelConfig) -> dict[str, Any]:
         """lmms_data ``bagel`` processor options that must match the model (patch sizes and the
         largest sides its position tables hold); ``dataset_config.extra`` may lower the sides."""
