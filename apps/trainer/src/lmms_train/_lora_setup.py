@@ -59,11 +59,6 @@ def check_lora(cfg: Any, env: Any) -> None:
             "model_config.lora with tp_degree/ep_degree > 1 is not supported: the adapters' A/B "
             "matrices have no TP/EP plan (LoRA composes with FSDP2 and Ulysses SP)"
         )
-    if lc.quantize_base == "nf4" and env.fsdp:
-        raise ConfigError(
-            "model_config.lora.quantize_base: nf4 is one-process for now (torchao's NF4 tensor "
-            "shards under FSDP2, but loading the base into 4-bit shards is not written yet)"
-        )
 
 
 def check_preference(cfg: Any, env: Any, objective: Any, adapter: Any) -> None:
@@ -102,7 +97,8 @@ def apply_model_lora(cfg: Any, spec: Any, model: nn.Module) -> Any:
 
 
 def quantize_model_base(cfg: Any, handle: Any) -> None:
-    """QLoRA: the adapted layers' base weights in NF4 (after the weights are on the GPU)."""
+    """QLoRA: the adapted layers' base weights in NF4 (after the weights are on the GPU; under
+    FSDP2 after the sharded load: each weight is re-sharded as 4-bit NF4 shards)."""
     if handle is None or cfg.model_config.lora.quantize_base != "nf4":
         return
     from lmms_models import quantize_base_nf4

@@ -301,20 +301,34 @@ def quantize_base_nf4(handle: LoraHandle, *, block_size: int = 64) -> int:
     (4-bit NormalFloat, blocks of ``block_size`` with double-quantised scales; ~0.53 bytes per
     weight). ``F.linear`` on it dequantises to the input's dtype (torchao's ``linear_nf4``), so
     peft's layer runs unchanged and gradients reach the adapters and the input, never the base.
-    Call on the materialised model, before any optimizer is built. A weight whose size does not
-    split into whole scaler blocks (tiny test shapes) stays as it is. Returns how many were
-    quantised. ``pip install 'lmms-models[qlora]'``."""
+    Call on the materialised model (after its weights are loaded), before any optimizer is built.
+
+    Under FSDP2 (the base weights are sharded DTensors) each weight is gathered whole, quantised
+    (the same 4-bit values as one process) and sharded again as NF4 (lmms_parallel's
+    :func:`~lmms_parallel.replace_sharded_param`): NF4Tensor implements FSDP2's all-gather
+    extension, so the shards stay 4-bit and are all-gathered in 4 bits. A weight whose shards do
+    not split into whole scaler blocks (``block_size`` x 256 values each; tiny test shapes) stays
+    as it is. Returns how many were quantised. ``pip install 'lmms-models[qlora]'``."""
     try:
         from torchao.quantization import to_nf4
     except ImportError as exc:  # pragma: no cover
         raise ImportError("QLoRA needs torchao: pip install 'lmms-models[qlora]'") from exc
+    from torch.distributed.tensor import DTensor
+
+    def quantize(w: torch.Tensor) -> torch.Tensor:
+        return to_nf4(w.detach(), block_size, 256)
+
     done = 0
-    for layer in handle._layers:
-        base = layer.base_layer
-        w = base.weight
-        blocks = w.numel() // block_size
-        if w.numel() % block_size or blocks % 256:
+    for name, layer in zip(handle.targets, handle._layers, strict=True):
+        w = layer.base_layer.weight
+        shards = w.device_mesh.size(len(w.placements) - 1) if isinstance(w, DTensor) else 1
+        if w.size(0) % shards or (w.numel() // shards) % (block_size * 256):
             continue
-        base.weight = nn.Parameter(to_nf4(w.detach(), block_size, 256), requires_grad=False)
+        if isinstance(w, DTensor):
+            from lmms_parallel import replace_sharded_param
+
+            replace_sharded_param(handle.model, f"{name}.base_layer.weight", quantize)
+        else:
+            layer.base_layer.weight = nn.Parameter(quantize(w), requires_grad=False)
         done += 1
     return done

@@ -8,7 +8,7 @@ from lmms_parallel._ac import ACHandle, apply_activation_checkpointing
 from lmms_parallel._checkpoint import Checkpointer
 from lmms_parallel._ep import ExpertParallel, ep_local_slice, ep_params
 from lmms_parallel._export import export_hf, gather_full_state_dict
-from lmms_parallel._fsdp import apply_fsdp
+from lmms_parallel._fsdp import apply_fsdp, replace_sharded_param
 from lmms_parallel._master import MasterWeights
 from lmms_parallel._mesh import (
     ExpertMeshes,
@@ -79,6 +79,7 @@ __all__ = [
     "read_safetensors",
     "register_style",
     "registered_styles",
+    "replace_sharded_param",
     "seq_rows",
     "slice_row",
     "sp_group",

@@ -9,14 +9,15 @@ the whole global batch, so the result equals the single-process run whatever the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["apply_fsdp"]
+__all__ = ["apply_fsdp", "replace_sharded_param"]
 
 
 def apply_fsdp(
@@ -84,6 +85,53 @@ def apply_fsdp(
     fully_shard(model, reshard_after_forward=False, **kwargs)
     _sum_gradients(model)
     return model
+
+
+@torch.no_grad()
+def replace_sharded_param(
+    model: nn.Module, name: str, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """Replace the frozen FSDP2-sharded parameter ``name`` by ``fn(its full tensor)``, sharded the
+    same way (dim 0 over the shard ranks), e.g. QLoRA's base weights as torchao's ``NF4Tensor``,
+    a tensor subclass that implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
+    ``fsdp_post_all_gather``): its 4-bit shards stay 4-bit and are all-gathered as such.
+
+    Collective (every rank, same order); one full tensor at a time. ``fn``'s result must split
+    into equal shards along dim 0 (a subclass cannot be padded as FSDP2 pads plain tensors).
+    FSDP2 learns of the new shard as after ``load_state_dict(assign=True)``
+    (``FSDPParam.reset_sharded_param``); its record of the old shard is replaced first, since
+    torch compares the old and new storages, which a wrapper subclass does not have.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    old = model.get_parameter(name)
+    if not isinstance(old, DTensor) or old.requires_grad:
+        raise ValueError(f"{name}: a frozen FSDP2-sharded parameter is expected")
+    mesh, dim = old.device_mesh, len(old.placements) - 1  # the shard dim: HSDP's last
+    full = fn(old.full_tensor())
+    shards = mesh.size(dim)
+    if full.size(0) % shards:
+        raise ValueError(f"{name}: {full.size(0)} rows do not split over {shards} ranks")
+    local = torch.chunk(full, shards, dim=0)[mesh.get_local_rank(dim)]
+    meta = TensorMeta(old.size(), old.stride(), old.dtype)
+    new = DTensor(local, DTensorSpec(mesh, old.placements, tensor_meta=meta), requires_grad=False)
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    record = _fsdp_param(model, owner, leaf)
+    setattr(owner, leaf, nn.Parameter(new, requires_grad=False))
+    record._sharded_param_data = local.view(-1)
+    record.reset_sharded_param()
+
+
+def _fsdp_param(model: nn.Module, owner: nn.Module, leaf: str) -> Any:  # torch private: FSDPParam
+    for module in model.modules():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = state._fsdp_param_group if state is not None else None
+        for record in group.fsdp_params if group is not None else ():
+            if record._module_info.module is owner and record._module_info.param_name == leaf:
+                return record
+    raise ValueError(f"{type(owner).__name__}.{leaf} is not managed by FSDP2 (fully_shard)")
 
 
 def _shared_param_ids(model: nn.Module) -> set[int]:
