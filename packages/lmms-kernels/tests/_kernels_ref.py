@@ -14,6 +14,25 @@ def random_cu_seqlens(total: int, n_max: int, gen: torch.Generator) -> torch.Ten
     return torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([total])]).to(torch.int32)
 
 
+def fwd_bwd(fn, q, k, v, grad) -> tuple[torch.Tensor, ...]:
+    """``(out, dq, dk, dv)`` of ``fn(q, k, v)`` on fresh leaves, backward from ``grad``."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+def cuda_attention_cases(head_dim: int, gen: torch.Generator):
+    """Two packed bf16 CUDA cases, GQA (8 query / 2 kv heads, 700 tokens) and MHA (4 / 4, 257),
+    each a random packing of up to 9 segments: yields ``(h, kv, cu, max_len, q, k, v, grad)``."""
+    for h, kv, total in [(8, 2, 700), (4, 4, 257)]:
+        cu = random_cu_seqlens(total, 9, gen).cuda()
+        mx = int(torch.diff(cu).max())
+        q, k, v, g = (
+            torch.randn(total, n, head_dim, generator=gen).cuda().bfloat16() for n in (h, kv, kv, h)
+        )
+        yield h, kv, cu, mx, q, k, v, g
+
+
 def dense_reference(
     q, k, v, cu_q, cu_k, *, causal: bool, scale: float | None = None
 ) -> torch.Tensor:

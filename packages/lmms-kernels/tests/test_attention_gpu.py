@@ -1,21 +1,16 @@
 """CUDA parity of every available backend against the SDPA-per-segment reference (fwd + bwd)."""
 
+import functools
+
 import pytest
 import torch
-from _kernels_ref import random_cu_seqlens
+from _kernels_ref import cuda_attention_cases, fwd_bwd
 
 import lmms_kernels as lk
 
 pytestmark = pytest.mark.gpu
 
 FAST = ["fa4", "fa", "torch", "flex"]
-
-
-def _run(backend, q, k, v, cu, mx, causal, grad):
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out = lk.varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend=backend)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    return out, *grads
 
 
 @pytest.mark.parametrize("backend", FAST)
@@ -25,15 +20,15 @@ def test_backend_matches_sdpa_reference(backend, head_dim, causal):
     if backend not in lk.available_backends("cuda"):
         pytest.skip(f"{backend} not installed")
     gen = torch.Generator().manual_seed(head_dim + causal)
-    for h, kv, total in [(8, 2, 700), (4, 4, 257)]:
-        cu = random_cu_seqlens(total, 9, gen).cuda()
-        mx = int(torch.diff(cu).max())
-        q = torch.randn(total, h, head_dim, generator=gen).cuda().bfloat16()
-        k = torch.randn(total, kv, head_dim, generator=gen).cuda().bfloat16()
-        v = torch.randn(total, kv, head_dim, generator=gen).cuda().bfloat16()
-        g = torch.randn(total, h, head_dim, generator=gen).cuda().bfloat16()
-        ref = _run("sdpa", q.float(), k.float(), v.float(), cu, mx, causal, g.float())
-        got = _run(backend, q, k, v, cu, mx, causal, g)
+    for h, kv, cu, mx, q, k, v, g in cuda_attention_cases(head_dim, gen):
+
+        def attend(q, k, v, backend, cu=cu, mx=mx):
+            return lk.varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend=backend)
+
+        ref = fwd_bwd(
+            functools.partial(attend, backend="sdpa"), q.float(), k.float(), v.float(), g.float()
+        )
+        got = fwd_bwd(functools.partial(attend, backend=backend), q, k, v, g)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
             torch.testing.assert_close(
                 a.float(), b, atol=2e-2, rtol=2e-2, msg=f"{backend} {name} {h=} {kv=}"

@@ -6,19 +6,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _kernels_ref import random_cu_seqlens, tiny_model
+from _kernels_ref import cuda_attention_cases, fwd_bwd, random_cu_seqlens, tiny_model
 
 import lmms_kernels as lk
 
 pytestmark = pytest.mark.gpu
 
 OP = torch.ops.lmms_kernels.varlen_attn
-
-
-def _grads(fn, q, k, v, g):
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    out = fn(q, k, v)
-    return (out, *torch.autograd.grad(out, (q, k, v), g))
 
 
 @pytest.mark.parametrize("backend", ["fa4", "torch", "fa", "flex"])
@@ -28,13 +22,7 @@ def test_custom_op_matches_eager_backend_gpu(backend, head_dim, causal):
     if backend not in lk.available_backends("cuda"):
         pytest.skip(f"{backend} not installed")
     gen = torch.Generator().manual_seed(head_dim + causal)
-    for h, kv, total in [(8, 2, 700), (4, 4, 257)]:
-        cu = random_cu_seqlens(total, 9, gen).cuda()
-        mx = int(torch.diff(cu).max())
-        q, k, v = (
-            torch.randn(total, n, head_dim, generator=gen).cuda().bfloat16() for n in (h, kv, kv)
-        )
-        g = torch.randn(total, h, head_dim, generator=gen).cuda().bfloat16()
+    for h, kv, cu, mx, q, k, v, g in cuda_attention_cases(head_dim, gen):
 
         def eager(q, k, v, cu=cu, mx=mx):
             return lk.varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend=backend)
@@ -42,7 +30,7 @@ def test_custom_op_matches_eager_backend_gpu(backend, head_dim, causal):
         def op(q, k, v, cu=cu, mx=mx):
             return OP(q, k, v, cu, cu, mx, mx, causal, None, backend)[0]
 
-        want, got = _grads(eager, q, k, v, g), _grads(op, q, k, v, g)
+        want, got = fwd_bwd(eager, q, k, v, g), fwd_bwd(op, q, k, v, g)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
             torch.testing.assert_close(
                 a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=f"{backend} {name} {h=} {kv=}"
@@ -67,7 +55,7 @@ def test_compiled_fa4_pads_head_dims_in_the_trace_gpu(head_dim):
         return lk.varlen_attention(q, k, v, cu, cu, mx, mx, causal=False, backend="fa4")
 
     compiled = torch.compile(attend, fullgraph=True)
-    want, got = _grads(attend, q, k, v, g), _grads(compiled, q, k, v, g)
+    want, got = fwd_bwd(attend, q, k, v, g), fwd_bwd(compiled, q, k, v, g)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert a.shape == b.shape, name
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2, msg=name)

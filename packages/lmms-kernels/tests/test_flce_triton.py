@@ -100,20 +100,16 @@ def test_matches_cross_entropy(dtype, bias):
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_weights_and_stats(dtype):
-    gen = torch.Generator().manual_seed(3)
+@pytest.mark.parametrize(
+    "check, seed",
+    [(check_flce_weighted, 3), (check_flce_rows, 5)],
+    ids=["token_weights_and_stats", "labelled_rows_equal_the_full_path"],
+)
+def test_weights_stats_and_rows(check, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
     itemsize = torch.finfo(dtype).bits // 8
     for bias, budget in [(False, 10 * V * itemsize), (True, None)]:  # chunks of 10, one chunk
-        check_flce_weighted("triton", dtype, gen, v=V, bias=bias, memory_budget_bytes=budget)
-
-
-@interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_labelled_rows_equal_the_full_path(dtype):
-    gen = torch.Generator().manual_seed(5)
-    itemsize = torch.finfo(dtype).bits // 8
-    for bias, budget in [(False, 10 * V * itemsize), (True, None)]:  # chunks of 10, one chunk
-        check_flce_rows("triton", dtype, gen, v=V, bias=bias, memory_budget_bytes=budget)
+        check("triton", dtype, gen, v=V, bias=bias, memory_budget_bytes=budget)
 
 
 _PY_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "equal"}

@@ -305,12 +305,12 @@ def _fa4_pad_to(d: int, dv: int) -> int:
     return 0 if padded is None or (d == padded and dv == padded) else padded
 
 
-def _fa4(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    fn = _fa4_fn()
-    dv = v.shape[-1]
+def _fa4_call(fn, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **kw):
+    """``fn`` (an FA4 varlen forward) on q/k/v padded to the head dim FA4 needs; the scale is
+    that of the unpadded head dim. The caller cuts the output back to ``v.shape[-1]``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v, _, _ = _fa4_pad(q, k, v)
-    out = fn(
+    return fn(
         q,
         k,
         v,
@@ -320,8 +320,13 @@ def _fa4(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         max_seqlen_k=max_k,
         softmax_scale=scale,
         causal=causal,
+        **kw,
     )
-    return _unwrap(out)[..., :dv]
+
+
+def _fa4(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    out = _fa4_call(_fa4_fn(), q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    return _unwrap(out)[..., : v.shape[-1]]
 
 
 def _fa(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):

@@ -166,22 +166,9 @@ def grads_by_recompute(
 def _fa4_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    dv = v.shape[-1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v, _, _ = _A._fa4_pad(q, k, v)
-    res = _flash_attn_fwd(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-        softmax_scale=scale,
-        causal=causal,
-        return_lse=True,
-    )
-    return res[0][..., :dv], res[1]  # [Tq, H, Dv], [H, Tq] fp32
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    res = _A._fa4_call(_flash_attn_fwd, *args, return_lse=True)
+    return res[0][..., : v.shape[-1]], res[1]  # [Tq, H, Dv], [H, Tq] fp32
 
 
 def _fa4_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):

@@ -50,14 +50,16 @@ def _liger_fn():
     return LigerFusedLinearCrossEntropyFunction
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def _compute_dtype(x: torch.Tensor, default: torch.dtype | None = None) -> torch.dtype:
+    """The autocast dtype of ``x``'s device when autocast is on there, else ``default`` (or
+    ``x.dtype``)."""
     dev = x.device.type
     try:
         if torch.is_autocast_enabled(dev):
             return torch.get_autocast_dtype(dev)
     except (TypeError, RuntimeError):
         pass
-    return x.dtype
+    return x.dtype if default is None else default
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -143,7 +145,8 @@ def _triton_usable(device: torch.device) -> bool:
     )
 
 
-def _resolve(backend: str, device: torch.device) -> str:
+def _resolve(backend: str, device: torch.device, extras: bool = False) -> str:
+    """The backend that runs; ``extras`` (token weights or stats asked for) rules Liger out."""
     if backend not in ("auto", "liger", "torch", "triton"):
         raise ValueError(
             f"unknown fused linear CE backend {backend!r}; "
@@ -159,7 +162,7 @@ def _resolve(backend: str, device: torch.device) -> str:
             return "torch"
         if _triton_usable(device):
             return "triton"
-        return "liger" if _liger_fn() is not None else "torch"
+        return "liger" if _liger_fn() is not None and not extras else "torch"
     if backend == "liger":
         if _liger_fn() is None:
             raise RuntimeError(
@@ -167,6 +170,10 @@ def _resolve(backend: str, device: torch.device) -> str:
             )
         if device.type != "cuda":
             raise RuntimeError(f"backend 'liger' runs on CUDA only, got tensors on {device}")
+        if extras:
+            raise NotImplementedError(
+                "backend 'liger' has no token_weights / token_stats; use 'triton' or 'torch'"
+            )
     return backend
 
 
@@ -238,17 +245,10 @@ def fused_linear_cross_entropy(
             memory_budget_bytes=memory_budget_bytes, token_weights=token_weights,
             token_stats=token_stats, count=count,
         )  # fmt: skip
-    extras = token_weights is not None or token_stats
     if token_weights is not None and token_weights.shape != labels.shape:
         raise ValueError(f"token_weights {tuple(token_weights.shape)} must be [T] like labels")
     tw = None if token_weights is None else token_weights.detach().float().contiguous()
-    name = _resolve(backend, hidden.device)
-    if extras and name == "liger":
-        if backend == "liger":
-            raise NotImplementedError(
-                "backend 'liger' has no token_weights / token_stats; use 'triton' or 'torch'"
-            )
-        name = "triton" if _triton_usable(hidden.device) else "torch"
+    name = _resolve(backend, hidden.device, extras=token_weights is not None or token_stats)
     stats = None
     if token_stats:
         t = hidden.shape[0]
@@ -256,6 +256,15 @@ def fused_linear_cross_entropy(
             torch.zeros(t, dtype=torch.float32, device=hidden.device),
             torch.zeros(t, dtype=torch.bool, device=hidden.device),
         )
+    loss = _backend_loss(
+        name, hidden, weight, bias, labels, ignore_index, memory_budget_bytes, tw, stats
+    )
+    return (loss, count) if stats is None else (loss, count, *stats)
+
+
+def _backend_loss(name, hidden, weight, bias, labels, ignore_index, memory_budget_bytes, tw, stats):
+    """The fp32 summed loss of backend ``name`` (resolved; "liger" only without ``tw``/``stats``).
+    ``tw [T]`` fp32 | None; ``stats``: None or (token losses [T], token hits [T]) filled here."""
     if name == "liger":
         fn = _liger_fn()
         out = fn.apply(
@@ -270,20 +279,18 @@ def fused_linear_cross_entropy(
             "sum",
         )
         loss = out[0] if isinstance(out, tuple) else out
-        return loss.float(), count
+        return loss.float()
     if name == "triton":
         from . import _flce_triton
 
         budget = _flce_triton.DEFAULT_BUDGET if memory_budget_bytes is None else memory_budget_bytes
         cdt = _compute_dtype(hidden)
-        loss = _flce_triton.linear_cross_entropy(
+        return _flce_triton.linear_cross_entropy(
             hidden, weight, bias, labels, ignore_index, cdt, budget, token_weights=tw, stats=stats
         )
-    else:
-        budget = _DEFAULT_BUDGET if memory_budget_bytes is None else memory_budget_bytes
-        chunk = _chunk_size(hidden.shape[0], weight.shape[0], budget)
-        loss = _ChunkedLinearCE.apply(hidden, weight, bias, labels, ignore_index, chunk, tw, stats)
-    return (loss, count) if stats is None else (loss, count, *stats)
+    budget = _DEFAULT_BUDGET if memory_budget_bytes is None else memory_budget_bytes
+    chunk = _chunk_size(hidden.shape[0], weight.shape[0], budget)
+    return _ChunkedLinearCE.apply(hidden, weight, bias, labels, ignore_index, chunk, tw, stats)
 
 
 def _on_rows(

@@ -30,18 +30,9 @@ from collections.abc import Callable
 import torch
 
 from ._attention import resolve_backend, varlen_attention
+from ._flce import _compute_dtype
 
 __all__ = ["register_varlen_attention"]
-
-
-def _common_dtype(v: torch.Tensor) -> torch.dtype:
-    dev = v.device.type
-    try:
-        if torch.is_autocast_enabled(dev):
-            return torch.get_autocast_dtype(dev)
-    except (TypeError, RuntimeError):  # device types without autocast support
-        pass
-    return v.dtype
 
 
 def _segments_from_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -51,6 +42,54 @@ def _segments_from_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     lens = keep.sum(dim=1, dtype=torch.int32)
     cu = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
     return idx, cu, int(lens.max()) if lens.numel() else 0
+
+
+def _refuse_unsupported(dropout: float, kwargs: dict) -> None:
+    if dropout:
+        raise NotImplementedError(f"lmms varlen attention has no attention dropout (got {dropout})")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(
+            f"lmms varlen attention does not implement sliding windows (got {kwargs['sliding_window']}); "
+            "disable use_sliding_window in the model config"
+        )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("lmms varlen attention does not implement logit soft-capping")
+
+
+def _boundaries(
+    kwargs: dict,
+    attention_mask: torch.Tensor | None,
+    b: int,
+    lq: int,
+    lk: int,
+    device: torch.device,
+):
+    """``(idx, cu_q, cu_k, max_q, max_k)`` of a call: the packed boundaries it was given, one
+    segment per batch row, or (``idx``: flat indices of the kept tokens, else None) the rows of
+    a 2-D ``[B, L]`` padding mask unpadded."""
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        cu_k = kwargs.get("cu_seq_lens_k", cu_q)
+        max_q = kwargs.get("max_length_q")
+        max_k = kwargs.get("max_length_k", max_q)
+        # left as 0-d tensors: varlen_attention reads them outside compiled graphs
+        if max_q is None:
+            max_q = (cu_q[1:] - cu_q[:-1]).max()
+        if max_k is None:
+            max_k = (cu_k[1:] - cu_k[:-1]).max()
+        return None, cu_q, cu_k, max_q, max_k
+    if attention_mask is None:
+        cu_q = torch.arange(b + 1, device=device, dtype=torch.int32) * lq
+        cu_k = torch.arange(b + 1, device=device, dtype=torch.int32) * lk
+        return None, cu_q, cu_k, lq, lk
+    if attention_mask.dim() == 2 and attention_mask.shape == (b, lq) and lq == lk:
+        idx, cu, mx = _segments_from_mask(attention_mask)
+        return idx, cu, cu, mx, mx
+    raise ValueError(
+        f"lmms varlen attention got an attention_mask of shape {tuple(attention_mask.shape)}; it "
+        "handles only 2-D [B, L] padding masks (or none). Pass packed rows with cu_seq_lens_q/k "
+        "instead of 4-D masks."
+    )
 
 
 def _make_attention_fn(backend: str, wrapper: Callable | None) -> Callable:
@@ -78,68 +117,29 @@ def _make_attention_fn(backend: str, wrapper: Callable | None) -> Callable:
         dropout: float = 0.0,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:  # ([B, L, H, D], None)
-        if dropout:
-            raise NotImplementedError(
-                f"lmms varlen attention has no attention dropout (got {dropout})"
-            )
-        if kwargs.get("sliding_window") is not None:
-            raise NotImplementedError(
-                f"lmms varlen attention does not implement sliding windows (got {kwargs['sliding_window']}); "
-                "disable use_sliding_window in the model config"
-            )
-        if kwargs.get("softcap") is not None:
-            raise NotImplementedError("lmms varlen attention does not implement logit soft-capping")
+        _refuse_unsupported(dropout, kwargs)
         causal = kwargs.get("is_causal")
         if causal is None:
             causal = getattr(module, "is_causal", True)
         b, h, lq, _ = query.shape
-        lk = key.shape[2]
-        dt = _common_dtype(value)
+        idx, cu_q, cu_k, max_q, max_k = _boundaries(
+            kwargs, attention_mask, b, lq, key.shape[2], query.device
+        )
+        dt = _compute_dtype(value)  # one dtype for q/k/v: autocast's, else v's
         # [B, H, L, D] -> [B*L, H, D]
         q, k, v = (
             x.transpose(1, 2).reshape(b * x.shape[2], x.shape[1], x.shape[3]).to(dt)
             for x in (query, key, value)
         )
+        if idx is not None:  # unpadded: the kept tokens only
+            q, k, v = q[idx], k[idx], v[idx]
         attend = wrapper if wrapper is not None else inner
         extra = {"inner": inner} if wrapper is not None else {}
-        cu_q = kwargs.get("cu_seq_lens_q")
-        if cu_q is not None:
-            cu_k = kwargs.get("cu_seq_lens_k", cu_q)
-            max_q = kwargs.get("max_length_q")
-            max_k = kwargs.get("max_length_k", max_q)
-            # left as 0-d tensors: varlen_attention reads them outside compiled graphs
-            if max_q is None:
-                max_q = (cu_q[1:] - cu_q[:-1]).max()
-            if max_k is None:
-                max_k = (cu_k[1:] - cu_k[:-1]).max()
-            out = attend(
-                q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scaling, **extra
-            )
-        elif attention_mask is None:
-            cu_q = torch.arange(b + 1, device=q.device, dtype=torch.int32) * lq
-            cu_k = torch.arange(b + 1, device=q.device, dtype=torch.int32) * lk
-            out = attend(q, k, v, cu_q, cu_k, lq, lk, causal=causal, softmax_scale=scaling, **extra)
-        elif attention_mask.dim() == 2 and attention_mask.shape == (b, lq) and lq == lk:
-            idx, cu, mx = _segments_from_mask(attention_mask)
-            o = attend(
-                q[idx],
-                k[idx],
-                v[idx],
-                cu,
-                cu,
-                mx,
-                mx,
-                causal=causal,
-                softmax_scale=scaling,
-                **extra,
-            )
-            out = o.new_zeros(b * lq, h, o.shape[-1]).index_copy(0, idx, o)
-        else:
-            raise ValueError(
-                f"lmms varlen attention got an attention_mask of shape {tuple(attention_mask.shape)}; it "
-                "handles only 2-D [B, L] padding masks (or none). Pass packed rows with cu_seq_lens_q/k "
-                "instead of 4-D masks."
-            )
+        out = attend(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scaling, **extra
+        )
+        if idx is not None:  # padded positions return zeros
+            out = out.new_zeros(b * lq, h, out.shape[-1]).index_copy(0, idx, out)
         return out.reshape(b, lq, h, out.shape[-1]), None
 
     return attention

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._flce import _compute_dtype
+
 __all__ = [
     "EXPERTS_BACKENDS",
     "expert_counts",
@@ -70,16 +72,6 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
-    dev = x.device.type
-    try:
-        if torch.is_autocast_enabled(dev):
-            return torch.get_autocast_dtype(dev)
-    except (TypeError, RuntimeError):
-        pass
-    return w.dtype
-
-
 def _default_gate(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -109,7 +101,7 @@ def grouped_experts(
     """
     if backend not in EXPERTS_BACKENDS:
         raise ValueError(f"unknown experts backend {backend!r}; choose from {EXPERTS_BACKENDS}")
-    dtype = _compute_dtype(x, gate_up)
+    dtype = _compute_dtype(x, gate_up.dtype)
     x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
     if backend == "auto":
         backend = "grouped_mm" if grouped_mm_available(x, gate_up, down) else "loop"
