@@ -243,3 +243,46 @@ def test_objective_branch_detector_finds(tmp_path):
     )
     found = objective_branches(src, ["causal_lm", "dpo"], tmp_path)
     assert [f.split(": ", 1)[0] for f in found] == ["x.py:1", "x.py:3"]
+
+
+#: Model code (DESIGN.md, "The family contract": single-device and loss-free; process groups and
+#: collectives come from lmms-parallel applying the family's plans, e.g. ``ModelSpec.sp_plan``).
+SINGLE_DEVICE = [
+    ROOT / "packages/lmms-models/src/lmms_models/families",
+    ROOT / "packages/lmms-models/src/lmms_models/parts",
+]
+_DISTRIBUTED = re.compile(r"torch\.distributed|from\s+torch\s+import\s+distributed|\bdist\.")
+
+
+def distributed_uses(path: Path, root: Path = ROOT) -> list[str]:
+    """``file:line: source`` of each line of ``path`` naming ``torch.distributed`` (or ``dist.``,
+    its usual alias) in code, a comment or a docstring."""
+    return [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if _DISTRIBUTED.search(line)
+    ]
+
+
+def test_model_code_is_single_device():
+    found = [hit for path in _sources(SINGLE_DEVICE) for hit in distributed_uses(path)]
+    assert not found, (
+        "a family's collective belongs in lmms-parallel as a plan style (register_style('sp', "
+        "...) / 'tp' / 'ep'), the family only states the plan (ModelSpec.sp_plan, tp_plan, "
+        "ep_plan); found torch.distributed in model code:\n" + "\n".join(found)
+    )
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import torch.distributed as dist",
+        "from torch import distributed",
+        "n = torch.distributed.get_world_size(group)",
+        "dist.all_gather(parts, x, group=group)",
+    ],
+)
+def test_distributed_detector_finds(tmp_path, code):
+    src = tmp_path / "x.py"
+    src.write_text(f"{code}\nposterior = vae.encode(x).latent_dist\n")
+    assert [f.split(": ", 1)[0] for f in distributed_uses(src, tmp_path)] == ["x.py:1"]

@@ -56,6 +56,36 @@ def _sp_case() -> dict[str, Any]:
     return {"loss": float(out.loss_sum), "loss_1proc": ref_loss, "worst": cases.worst(ref, grads)}
 
 
+def _sp_lm_case() -> dict[str, Any]:
+    """``causal_lm`` through ``BagelSpec.packed_forward`` (the row's text CE, every rank holding
+    the whole row's sum: lmms_parallel.sp_replicated_grad) under SP 2 == 1 process; the plan's
+    handle restores the model (the loss after ``remove()`` is the reference's, bit for bit)."""
+    import _bagel_cases as cases
+
+    from lmms_models.objectives import ObjectiveContext, get_objective
+
+    spec, model = cases.tiny_model()
+    batch = cases.pack(cases.PACKS["mixed"])
+    obj = get_objective("causal_lm")
+
+    def loss_grads(group: Any = None) -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        out = obj.loss(spec, model, batch, ObjectiveContext(seed=3, sp_group=group))
+        (out.loss_sum / 10.0).backward()
+        return float(out.loss_sum), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                     if p.grad is not None}  # fmt: skip
+
+    ref_loss, ref = loss_grads()
+    handle = spec.install_sp(model, dist.group.WORLD)
+    loss, grads = loss_grads(dist.group.WORLD)
+    for g in grads.values():  # FSDP sums gradients over the dp_shard x sp mesh
+        dist.all_reduce(g)
+    handle.remove()
+    after, _ = loss_grads()
+    return {"loss": loss, "loss_1proc": ref_loss, "worst": cases.worst(ref, grads),
+            "restored": after == ref_loss, "same_params": grads.keys() == ref.keys()}  # fmt: skip
+
+
 def run(rank: int, world: int) -> dict[str, Any]:
-    """Both cases on this rank (lmms_parallel.testing.spawn_ranks runs it)."""
-    return run_cases([("sp", _sp_case), ("fsdp", lambda: _case(rank))])
+    """The cases on this rank (lmms_parallel.testing.spawn_ranks runs it)."""
+    return run_cases([("sp", _sp_case), ("sp_lm", _sp_lm_case), ("fsdp", lambda: _case(rank))])

@@ -272,14 +272,16 @@ def spawned(two_ranks) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["fsdp", "sp"])
+@pytest.mark.parametrize("case", ["fsdp", "sp", "sp_lm"])
 def test_two_ranks_equal_one_process(spawned, case):
-    """FSDP2 (a unit per MoT layer and ViT layer) and Ulysses SP 2, each == 1 process."""
+    """FSDP2 (a unit per MoT layer and ViT layer) and Ulysses SP 2 (ce_flow_matching, and
+    causal_lm through packed_forward), each == 1 process."""
     for rank, res in enumerate(spawned):
         got = res[case]
         assert "error" not in got, got.get("error")
         assert got["loss"] == pytest.approx(got["loss_1proc"], rel=1e-5), rank
         assert got["worst"] < 1e-4, (rank, got["worst"])
+        assert got.get("restored", True) and got.get("same_params", True), (rank, got)
 
 
 @pytest.mark.gpu

@@ -71,9 +71,8 @@ class GeneratesLatents(Protocol):
     def null_condition(self, model: nn.Module, batch_size: int, device: Any) -> Any: ...
 
     def denoise(
-        self, model: nn.Module, x_t: torch.Tensor, timestep: torch.Tensor, cond: Any, *,
-        sp_group: Any = None,
-    ) -> torch.Tensor: ...  # fmt: skip
+        self, model: nn.Module, x_t: torch.Tensor, timestep: torch.Tensor, cond: Any
+    ) -> torch.Tensor: ...
 
 
 @runtime_checkable

@@ -199,10 +199,9 @@ class DiffusionSpec(ModelSpec, GeneratesLatents):
         x_t: torch.Tensor,  # [B, ...] noised latents
         timestep: torch.Tensor,  # [B] what the network takes as its time input
         cond: Any,
-        *,
-        sp_group: Any = None,
     ) -> torch.Tensor:
-        """The network's prediction ``[B, ...]`` (same shape as ``x_t``)."""
+        """The network's prediction ``[B, ...]`` (same shape as ``x_t``), single-device: under
+        sequence parallel the family's :attr:`sp_plan` splits and gathers its tokens."""
         raise NotImplementedError
 
     def tokens_per_sample(self, config: Any, latent_shape: Sequence[int]) -> int:
@@ -251,10 +250,19 @@ class DiffusionSpec(ModelSpec, GeneratesLatents):
         return {**super().config_keys(), **dict.fromkeys(self.encoder_classes)}
 
     def check_sp(self, config: Any, sp: int) -> None:
-        """No sequence-parallel path by default (a family that splits its tokens overrides)."""
-        raise NotImplementedError(
-            f"{self.name} has no sequence-parallel path: set trainer_args.sp_ulysses_degree: 1"
-        )
+        """No sequence-parallel path without an :attr:`sp_plan` (a family that splits its tokens
+        states one, and overrides this check with its own conditions)."""
+        if not self.sp_plan:
+            raise NotImplementedError(
+                f"{self.name} has no sequence-parallel path: set trainer_args.sp_ulysses_degree: 1"
+            )
+
+    def install_sp(self, model: nn.Module, sp_group: Any) -> Any:
+        """The family's :attr:`sp_plan` (lmms_parallel.apply_sp); there is no text decoder whose
+        inputs the default would slice."""
+        if not self.sp_plan:
+            raise NotImplementedError(f"{self.name} has no sequence-parallel plan (sp_plan)")
+        return super().install_sp(model, sp_group)
 
     def objective_capabilities(self) -> frozenset[str]:
         """A denoiser of latents: flow matching, not a token objective."""

@@ -93,6 +93,11 @@ class ModelSpec(SpecEstimates):
     #: ``tp_plan`` with sequence-parallel norms (``trainer_args.tp_sequence_parallel``; empty:
     #: not supported by the family). lmms_models._plans.QWEN2_TP_SP_PLAN / QWEN3_TP_SP_PLAN.
     tp_sp_plan: dict[str, str] = {}  # noqa: RUF012
+    #: Ulysses sequence parallel as a plan over the whole model, for a family whose tokens are
+    #: not split at the text decoder's inputs (lmms_parallel's ``apply_sp`` styles: e.g.
+    #: ``sp_split_tokens`` on the first block, ``sp_gather_tokens`` after the last). Empty: the
+    #: default ``SequenceParallel`` on :meth:`sp_slice_module` (:meth:`install_sp`).
+    sp_plan: dict[str, str] = {}  # noqa: RUF012
     #: The objective a run of this family takes by default (``model_config.objective``), and
     #: the options the family gives it when chosen (under ``objective_args``), e.g. Wan's
     #: rectified-flow parameterisation.
@@ -560,11 +565,14 @@ class ModelSpec(SpecEstimates):
 
     def install_sp(self, model: nn.Module, sp_group: Any) -> Any:
         """Install Ulysses sequence parallel on ``model`` for ``sp_group`` (after the attention
-        wrapper): default, lmms_parallel's ``SequenceParallel`` hook on :meth:`sp_slice_module`;
-        a family that splits its own tokens (Wan: the video tokens) installs its hooks here.
-        Returns the handle (``.remove()``)."""
-        from lmms_parallel import SequenceParallel
+        wrapper): the family's :attr:`sp_plan` applied by ``lmms_parallel.apply_sp`` (Wan: the
+        video tokens; BAGEL: the decoder stack over a row of parts), else lmms_parallel's
+        ``SequenceParallel`` hook on :meth:`sp_slice_module`. Returns the handle
+        (``.remove()``)."""
+        from lmms_parallel import SequenceParallel, apply_sp
 
+        if self.sp_plan:
+            return apply_sp(model, self.sp_plan, sp_group)
         return SequenceParallel(self.sp_slice_module(model), sp_group).install()
 
     def muon_adamw_modules(self, model: nn.Module) -> list[nn.Module]:

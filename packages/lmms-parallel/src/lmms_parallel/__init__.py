@@ -22,7 +22,8 @@ from lmms_parallel._mesh import (
 from lmms_parallel._meta import load_full_state_dict, materialize, meta_init, read_safetensors
 from lmms_parallel._norm import clip_grad_norm_
 from lmms_parallel._plans import apply_ep, apply_tp, match_plan, register_style, registered_styles
-from lmms_parallel._row_sp import RowSequenceParallel, gather_row_slices, slice_row
+from lmms_parallel._row_sp import gather_row_slices, slice_row
+from lmms_parallel._sp_plans import SPContext, SPHandle, apply_sp, sp_replicated_grad
 from lmms_parallel._tp import SumGradOverGroup
 from lmms_parallel._tp_sp import seq_rows, sum_grad
 from lmms_parallel._ulysses import (
@@ -49,7 +50,8 @@ __all__ = [
     "ExpertParallel",
     "MasterWeights",
     "ParallelDims",
-    "RowSequenceParallel",
+    "SPContext",
+    "SPHandle",
     "SequenceParallel",
     "SumGradOverGroup",
     "UlyssesAttention",
@@ -60,6 +62,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_ep",
     "apply_fsdp",
+    "apply_sp",
     "apply_tp",
     "clip_grad_norm_",
     "dp_mesh",
@@ -85,6 +88,7 @@ __all__ = [
     "sp_group",
     "sp_pad_len",
     "sp_reduce_loss",
+    "sp_replicated_grad",
     "sp_shard_labels",
     "split_contiguous",
     "split_imbalance",

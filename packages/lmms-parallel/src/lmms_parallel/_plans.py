@@ -19,7 +19,12 @@ plan (``apply_tp(..., styles=)``: lmms_models' ``ModelSpec.plan_styles``). Built
   :func:`lmms_parallel.vocab_parallel_cross_entropy`, never ``[T, vocab]``), and for sequence
   parallelism inside TP (``tp_sequence_parallel``, lmms_parallel._tp_sp) ``rowwise_sp``,
   ``sp_scatter_input``, ``sp_gather_input``, ``sp_gather_output``;
-* EP (on the EP group): ``experts`` (transformers' 3-D experts: local slice + all-to-all).
+* EP (on the EP group): ``experts`` (transformers' 3-D experts: local slice + all-to-all);
+* SP (Ulysses over the SP group, for models whose tokens are not split at the text decoder's
+  inputs; :func:`lmms_parallel.apply_sp`, reversible): ``sp_split_tokens``,
+  ``sp_tokens_to_heads``, ``sp_heads_to_tokens``, ``sp_local_heads``, ``sp_gather_tokens``,
+  ``sp_replicated_grad`` (lmms_parallel._sp_plans) and ``sp_row_stack``, ``sp_row_attention``
+  (lmms_parallel._row_sp).
 
 Order (STYLE.md #3): TP/EP, then activation checkpointing, compile, FSDP2; from the meta device:
 the EP slice of a meta parameter is a meta parameter, DTensor ``parallelize_module`` works on
@@ -49,14 +54,15 @@ from ._vocab_parallel import VocabParallelHead
 
 __all__ = ["apply_ep", "apply_tp", "match_plan", "register_style", "registered_styles"]
 
-#: kind ("tp" | "ep") -> style name -> factory(mesh_or_group) -> object with .apply(module) or a
-#: DTensor ParallelStyle
-_STYLES: dict[str, dict[str, Callable[[Any], Any]]] = {"tp": {}, "ep": {}}
+#: kind ("tp" | "ep" | "sp") -> style name -> factory(mesh, group or SPContext) -> object with
+#: .apply(module) or a DTensor ParallelStyle
+_STYLES: dict[str, dict[str, Callable[[Any], Any]]] = {"tp": {}, "ep": {}, "sp": {}}
 
 
 def register_style(kind: str, name: str) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
-    """Decorator: register ``factory(mesh_or_group)`` as style ``name`` of ``kind`` ("tp"/"ep").
-    The factory returns a DTensor ``ParallelStyle`` (TP) or an object with ``apply(module)``."""
+    """Decorator: register ``factory(mesh_or_group)`` as style ``name`` of ``kind`` ("tp"/"ep"/
+    "sp"). The factory returns a DTensor ``ParallelStyle`` (TP) or an object with
+    ``apply(module)`` (SP: ``factory(SPContext)``, ``apply`` returns the undo callables)."""
     if kind not in _STYLES:
         raise ValueError(f"style kind must be one of {sorted(_STYLES)}, got {kind!r}")
 

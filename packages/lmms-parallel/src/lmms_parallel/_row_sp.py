@@ -2,25 +2,28 @@
 
 For a model whose attention rule is pairwise over a whole sample (a mask that a per-rank key/value
 shard cannot honour, e.g. BAGEL's span masks), Ulysses keeps every sample whole: every rank embeds
-the full row, :class:`RowSequenceParallel` then
+the full row, then two sequence-parallel plan styles (:func:`lmms_parallel.apply_sp`, sharing one
+context for the row length)
 
-* slices every tensor argument of the stack whose first dimension is the row length ``T``
-  (hidden states, per-token flags, RoPE tables) to this rank's contiguous ``ceil(T / sp)`` chunk
-  (zero padded) before the stack runs (a forward pre-hook),
-* around each attention call swaps tokens for heads with two all-to-alls, so the unchanged
-  attention function sees *all* ``T`` tokens for ``H / sp`` query heads and ``KV / sp`` key/value
-  heads (the attention modules' ``attend`` attribute is wrapped),
-* gathers the stack's output back to the whole row ``[T, ...]`` (gradients summed over the group).
+* ``sp_row_stack`` (on the decoder stack) slices every tensor argument of the stack whose first
+  dimension is the row length ``T`` (hidden states, per-token flags, RoPE tables) to this rank's
+  contiguous ``ceil(T / sp)`` chunk (zero padded) before the stack runs (a forward pre-hook), and
+  gathers its output back to the whole row ``[T, ...]`` (gradients summed over the group);
+* ``sp_row_attention`` (on each attention module) swaps tokens for heads with two all-to-alls
+  around each attention call, so the unchanged attention function sees *all* ``T`` tokens for
+  ``H / sp`` query heads and ``KV / sp`` key/value heads (the module's ``attend`` attribute is
+  wrapped on the instance).
 
 The model stays single-device: it calls ``self.attend(q, k, v, *rest)`` with ``q [T, H, D]``,
 ``k, v [T, KV, D]`` and a stack module ``stack(x [T, ...], ...) -> [T, ...]``; this module owns the
-process group. Needs ``KV % sp == 0``. The heads read the whole row on every rank; the objective
-scales its gradient by ``1 / sp`` so the group's summed gradients equal one process's.
+process group. Needs ``KV % sp == 0``. The heads read the whole row on every rank; the loss's
+gradient is divided by ``sp`` (:func:`lmms_parallel.sp_replicated_grad`) so the group's summed
+gradients equal one process's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,10 +31,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ._plans import register_style
 from ._ulysses import all_to_all_heads_to_seq, all_to_all_seq_to_heads
 from ._vision_split import gather_rows
 
-__all__ = ["RowSequenceParallel", "gather_row_slices", "slice_row"]
+__all__ = ["gather_row_slices", "slice_row"]
 
 
 def _chunk(total: int, sp: int) -> int:
@@ -62,45 +66,41 @@ def _slice_arg(a: Any, group: Any, total: int) -> Any:
     return a
 
 
-class RowSequenceParallel:
-    """Instance hooks that run ``stack`` (``stack(x [T, ...], *args) -> [T, ...]``) under Ulysses
-    SP over ``group``; ``attention`` modules call ``self.attend(q, k, v, *rest)``. ``install()``
-    returns ``self``; ``remove()`` undoes it."""
+class _RowStack:
+    """``sp_row_stack`` (the decoder stack ``stack(x [T, ...], *args) -> [T, ...]``): its tensor
+    arguments of length ``T`` sliced to this rank's chunk, its output gathered to the whole row;
+    records ``T`` in the shared context for ``sp_row_attention``."""
 
-    def __init__(self, stack: nn.Module, attention: Iterable[nn.Module], group: Any) -> None:
-        self.stack, self.attention, self.group = stack, list(attention), group
-        self.total = 0  # the row length of the running forward (set by the pre-hook)
-        self._handles: list[Any] = []
-        self._saved: list[tuple[nn.Module, Callable[..., torch.Tensor]]] = []
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
 
-    def install(self) -> RowSequenceParallel:
-        self._handles = [
-            self.stack.register_forward_pre_hook(self._pre),
-            self.stack.register_forward_hook(self._post),
-        ]
-        for mod in self.attention:
-            self._saved.append((mod, mod.attend))
-            mod.attend = self._wrap(mod.attend)
-        return self
+    def apply(self, module: nn.Module) -> list[Callable[[], Any]]:
+        ctx = self.ctx
 
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        for mod, fn in self._saved:
-            mod.attend = fn
-        self._handles, self._saved = [], []
+        def pre(_mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            ctx.total = int(args[0].shape[0])
+            return tuple(_slice_arg(a, ctx.group, ctx.total) for a in args)
 
-    def _pre(self, _mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        self.total = int(args[0].shape[0])
-        return tuple(_slice_arg(a, self.group, self.total) for a in args)
+        def post(_mod: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+            return gather_row_slices(out, ctx.group, ctx.total)
 
-    def _post(self, _mod: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
-        return gather_row_slices(out, self.group, self.total)
+        hooks = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        return [h.remove for h in hooks]
 
-    def _wrap(self, attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+
+class _RowAttention:
+    """``sp_row_attention`` (a module calling ``self.attend(q [T, H, D], k, v [T, KV, D], *rest)``):
+    ``attend`` wrapped on the instance with the two all-to-alls (tokens for heads and back)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def apply(self, module: nn.Module) -> list[Callable[[], Any]]:
+        ctx, attend = self.ctx, module.attend
+        own = "attend" in module.__dict__
+
         def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any) -> torch.Tensor:
-            group, total = self.group, self.total
-            sp = dist.get_world_size(group)
+            group, total, sp = ctx.group, ctx.total, ctx.size
             if k.shape[1] % sp:
                 raise NotImplementedError(
                     f"row SP: {k.shape[1]} key/value heads do not split over sp={sp}"
@@ -113,4 +113,16 @@ class RowSequenceParallel:
                 out = F.pad(out, [0, 0, 0, 0, 0, pad])
             return all_to_all_heads_to_seq(out, group)
 
-        return ulysses
+        module.attend = ulysses
+
+        def undo() -> None:
+            if own:
+                module.attend = attend
+            else:
+                del module.__dict__["attend"]
+
+        return [undo]
+
+
+register_style("sp", "sp_row_stack")(_RowStack)
+register_style("sp", "sp_row_attention")(_RowAttention)

@@ -153,8 +153,9 @@ class CeFlowMatching(Objective):
         loss_sum = opt.ce_weight * terms["ce_sum"] + opt.fm_weight * terms["fm_sum"]
         if ctx.sp_group is not None:  # every SP rank holds the whole row's loss: the value is
             # the row's, each rank's gradient share 1/sp (the group's sum is one process's)
-            sp = torch.distributed.get_world_size(ctx.sp_group)
-            loss_sum = loss_sum / sp + (loss_sum - loss_sum / sp).detach()
+            from lmms_parallel import sp_replicated_grad
+
+            loss_sum = sp_replicated_grad(loss_sum, ctx.sp_group)
         count = (terms["ce_count"] + terms["fm_count"]).to(torch.int64)
         ce_n = terms["ce_count"].to(torch.float32)
         fm_n = terms["fm_count"].to(torch.float32)

@@ -62,7 +62,7 @@ class FlowMatching(Objective):
         x_t, _ = fm.interpolant(cfg.path, draws.t, x1, draws.noise)
         if cfg.cfg_dropout > 0:
             cond = spec.drop_condition(model, cond, draws.drop.to(x1.device))
-        out = spec.denoise(model, x_t, fm.model_time(cfg, draws.t), cond, sp_group=ctx.sp_group)
+        out = spec.denoise(model, x_t, fm.model_time(cfg, draws.t), cond)
         per = fm.flow_matching_loss(cfg, out, x1, draws.noise, draws.t)  # [B]
         sums = fm.bucket_sums(cfg, per, draws.t)
         metrics = {

@@ -30,7 +30,7 @@ def encode_latents(vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     posterior mean (deterministic: a resumed run sees the same latents) times the VAE's
     ``scaling_factor`` (SD VAE: 0.18215), shifted by ``shift_factor`` when it has one."""
     with torch.no_grad():
-        dist = vae.encode(pixels.to(next(vae.parameters()).dtype)).latent_dist
-        z = dist.mean.float()
+        posterior = vae.encode(pixels.to(next(vae.parameters()).dtype)).latent_dist
+        z = posterior.mean.float()
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     return (z - shift) * vae.config.scaling_factor

@@ -80,6 +80,14 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
     objective_defaults: dict[str, Any] = {}  # noqa: RUF012 (ce_flow_matching's own defaults)
     # no liger_plan: its RMSNorm/SwiGLU are its own modules (none yet)
     media_keys = ("vit_patches", "vae_latents")
+    #: Ulysses SP over the decoder stack with the span masks kept whole (lmms_parallel's row
+    #: styles, applied by ``ModelSpec.install_sp``): every rank embeds the whole row, the stack
+    #: runs on this rank's slice of tokens and attends over all of them for its share of the
+    #: heads (``check_sp``: query and KV heads divisible), its output is gathered.
+    sp_plan = {  # noqa: RUF012
+        "language_model.model": "sp_row_stack",
+        "language_model.model.layers.*.self_attn": "sp_row_attention",
+    }
 
     def objective_capabilities(self) -> frozenset[str]:
         """Text cross-entropy and flow matching on generation latents in one forward."""
@@ -375,8 +383,9 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
             hidden, head.weight, labels, bias=head.bias, backend=loss_backend
         )
         if sp_group is not None:
-            sp = torch.distributed.get_world_size(sp_group)
-            loss_sum = loss_sum / sp + (loss_sum - loss_sum / sp).detach()
+            from lmms_parallel import sp_replicated_grad
+
+            loss_sum = sp_replicated_grad(loss_sum, sp_group)
         return loss_sum, n
 
     # ---------------------------------------------------------------- engine hooks
@@ -410,21 +419,6 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
         connector, ``vae2llm``, the time MLP, the velocity head ``llm2vae``)."""
         return [model.vit_model.vision_model.embeddings, model.connector, model.vae2llm,
                 model.time_embedder, model.llm2vae]  # fmt: skip
-
-    def install_sp(self, model: nn.Module, sp_group: Any) -> Any:
-        """Ulysses SP over the decoder stack with the span masks kept whole
-        (lmms_parallel.RowSequenceParallel): every rank embeds the whole row, the decoder runs
-        on this rank's slice of tokens and attends over all of them for its share of the heads,
-        the final hidden states are gathered. Returns the handle (``.remove()``)."""
-        from lmms_parallel import RowSequenceParallel
-
-        kv = model.config.llm.num_key_value_heads
-        size = torch.distributed.get_world_size(sp_group)
-        if kv % size:
-            raise ValueError(f"bagel: {kv} key/value heads do not split over SP degree {size}")
-        stack = model.language_model.model
-        attention = [layer.self_attn for layer in stack.layers]
-        return RowSequenceParallel(stack, attention, sp_group).install()
 
     def check_tp(self, config: Any, tp: int) -> None:
         if tp > 1:

@@ -219,7 +219,7 @@ def rope_tables(
 class MoTAttention(nn.Module):
     """Shared attention over the sequence; q/k/v/o projections and QK-norms per token type.
     ``attend(q, k, v, layout)``: the span attention of the row (sequence parallelism wraps it on
-    the instance: lmms_parallel.RowSequenceParallel)."""
+    the instance: lmms_parallel's ``sp_row_attention`` style, ``BagelSpec.sp_plan``)."""
 
     attend = staticmethod(span_attention)
 
@@ -427,7 +427,7 @@ class Bagel(nn.Module):
     (see ``_pack.py`` for the batch keys); :meth:`forward` adds the latent velocity predictions.
     The losses are the objective's (``ce_flow_matching``, or ``causal_lm`` through
     ``BagelSpec.packed_forward``); sequence parallelism is installed from outside
-    (``BagelSpec.install_sp``)."""
+    (``BagelSpec.sp_plan``, applied by lmms-parallel)."""
 
     def __init__(self, cfg: BagelConfig) -> None:
         super().__init__()

@@ -121,14 +121,8 @@ class SiTSpec(DiffusionSpec, Renders):
         return torch.full((batch_size,), model.config.num_classes, device=device)
 
     def denoise(
-        self, model: nn.Module, x_t: torch.Tensor, timestep: torch.Tensor, cond: Any, *,
-        sp_group: Any = None,
-    ) -> torch.Tensor:  # fmt: skip
-        if sp_group is not None:
-            raise NotImplementedError(
-                "sit: sequence parallel is not supported (256 px images are 256 tokens at "
-                "patch 2: data parallelism covers them); set sp_ulysses_degree: 1"
-            )
+        self, model: nn.Module, x_t: torch.Tensor, timestep: torch.Tensor, cond: Any
+    ) -> torch.Tensor:
         out = call_denoiser(model, x_t.to(model.x_embedder.proj.weight.dtype), timestep, cond)
         return out[:, : x_t.shape[1]]  # learn_sigma checkpoints: the variance half is unused
 

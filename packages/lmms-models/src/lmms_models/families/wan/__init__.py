@@ -11,7 +11,7 @@ zeros after each prompt's end, ``latents [B, C, F', H', W']`` normalised with th
 :func:`lmms_models.attach_encoder`: ``"text_encoder"`` (transformers' ``UMT5EncoderModel``) from
 ``input_ids``/``attention_mask`` and ``"vae"`` (diffusers' ``AutoencoderKLWan``, posterior mean)
 from ``pixel_values [B, 3, F, H, W]``. The CFG null condition is all-zero text states (every
-position padding). Ulysses SP over video tokens: :class:`WanUlysses`.
+position padding). Ulysses SP over video tokens: :data:`SP_PLAN` (applied by lmms-parallel).
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from ..._diffusion import (
     save_encoders,
 )
 from ..._registry import register_model
-from ._sp import WanUlysses, scale_grad
 
-__all__ = ["WanSpec", "WanUlysses", "encode_text", "encode_video"]
+__all__ = ["SP_PLAN", "WanSpec", "encode_text", "encode_video"]
 
 _COMMON = dict(patch_size=[1, 2, 2], attention_head_dim=128, text_dim=4096, freq_dim=256,
                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
@@ -70,12 +69,34 @@ PRESETS = {
 TEXT_LEN = 512  # umT5 context Wan trains with (FLOPs of the cross-attention)
 
 
+#: Ulysses SP over the video tokens (lmms_parallel's sequence-parallel styles, applied by
+#: ``ModelSpec.install_sp``): the tokens are split after the patch embedding; each self-attention
+#: trades tokens for heads after its q/k norms (over all heads) and v projection, so diffusers'
+#: processor applies the full-length 3-D RoPE and attends over the whole clip with ``heads/sp``
+#: heads, and trades back before its output projection; cross-attention (local queries, the
+#: replicated text) needs no exchange; the tokens are gathered before the output norm, and the
+#: replicated head's gradient is shared over the group. Why not diffusers' own context
+#: parallelism: it needs an accelerator (SP 2 == SP 1 could not be checked on CPU), and its
+#: output gather's backward is meant for inference.
+SP_PLAN = {
+    "blocks.0": "sp_split_tokens",  # hidden_states [B, N, C] -> [B, N/sp, C]
+    "blocks.*.attn1.norm_q": "sp_tokens_to_heads",  # [B, N/sp, H*D] -> [B, N, H/sp*D]
+    "blocks.*.attn1.norm_k": "sp_tokens_to_heads",
+    "blocks.*.attn1.to_v": "sp_tokens_to_heads",
+    "blocks.*.attn1.to_out.0": "sp_heads_to_tokens",  # input [B, N, H/sp*D] -> [B, N/sp, H*D]
+    "blocks.*.attn1": "sp_local_heads",  # attn1.heads = H/sp
+    "norm_out": "sp_gather_tokens",  # input [B, N/sp, C] -> [B, N, C]
+    "proj_out": "sp_replicated_grad",  # every rank computes the whole output: 1/sp of its grad
+}
+
+
 @register_model("wan")
 class WanSpec(DiffusionSpec, Renders):
     processor_family = "wan"
     folder_class_names = ("WanTransformer3DModel",)  # diffusers' transformer folder
     presets = PRESETS
     objective_defaults = {"convention": "rectified_flow", "shift": 5.0}  # noqa: RUF012
+    sp_plan = SP_PLAN
     synthetic_kind = "clips"
     placeable_encoders = ("text_encoder",)
     encoder_classes = {  # noqa: RUF012
@@ -179,17 +200,14 @@ class WanSpec(DiffusionSpec, Renders):
         return torch.zeros(batch_size, 1, text_dim, device=device)
 
     def denoise(
-        self, model: nn.Module, x_t: torch.Tensor, timestep: torch.Tensor, cond: Any, *,
-        sp_group: Any = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self, model: nn.Module, x_t: torch.Tensor, timestep: torch.Tensor, cond: Any
+    ) -> torch.Tensor:
         dtype = model.proj_out.weight.dtype
         out = call_denoiser(
             model,
             hidden_states=x_t.to(dtype), timestep=timestep, encoder_hidden_states=cond.to(dtype),
             return_dict=False,
         )[0]  # fmt: skip
-        if sp_group is not None:  # every SP rank holds the full output: 1/sp of its gradient
-            out = scale_grad(out, 1.0 / torch.distributed.get_world_size(sp_group))
         return out
 
     def export_writer(self, model: nn.Module) -> Any:
@@ -202,10 +220,6 @@ class WanSpec(DiffusionSpec, Renders):
         from ._render import render_clips
 
         return render_clips(self, model, request)
-
-    def install_sp(self, model: nn.Module, sp_group: Any) -> WanUlysses:
-        """Ulysses SP over the video tokens (instance hooks; ``.remove()`` undoes them)."""
-        return WanUlysses(model, sp_group).install()
 
     def check_sp(self, config: Any, sp: int) -> None:
         """Ulysses SP over the video tokens needs the attention heads divisible by ``sp``."""
