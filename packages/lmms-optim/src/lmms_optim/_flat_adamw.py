@@ -35,7 +35,7 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -119,7 +119,8 @@ def flat_adamw_(
     when it imports, torch elsewhere). The Triton kernel trusts the chunk bounds (they are not
     read on the host): build them with :func:`segment_chunks` from segments inside the buffers.
     """
-    _check_buffers(master, grad, exp_avg, exp_avg_sq, out, grad_scale, chunks)
+    bufs = Flat(master, grad, exp_avg, exp_avg_sq, chunks, grad_scale, out)
+    _check_buffers(bufs)
     if not 0.0 <= beta1 < 1.0 or not 0.0 <= beta2 < 1.0:
         raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
     if step < 1:
@@ -136,18 +137,11 @@ def flat_adamw_(
         )
     step_fn = _step_triton if use_triton else _step_torch
     hp = Hyper(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
-    step_fn(master, grad, exp_avg, exp_avg_sq, chunks, grad_scale, out, hp)
+    step_fn(bufs, hp)
 
 
-def _check_buffers(
-    master: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    out: Tensor | None,
-    grad_scale: Tensor | None,
-    chunks: tuple[Tensor, Tensor],
-) -> None:
+def _check_buffers(bufs: Flat) -> None:
+    master, grad, exp_avg, exp_avg_sq, chunks, grad_scale, out = bufs
     flats = {"master": master, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if out is not None:
         flats["out"] = out
@@ -205,6 +199,18 @@ def _triton_usable(t: Tensor) -> bool:
     return True
 
 
+class Flat(NamedTuple):
+    """The flat buffers of one AdamW step (shapes and dtypes: :func:`flat_adamw_`)."""
+
+    master: Tensor
+    grad: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    chunks: tuple[Tensor, Tensor]
+    grad_scale: Tensor | None = None
+    out: Tensor | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Hyper:
     """One step's AdamW hyper-parameters (``step`` counted after its increment)."""
@@ -216,18 +222,17 @@ class Hyper:
     weight_decay: float
     step: int
 
+    def kernel_scalars(self) -> tuple[float, ...]:
+        """What the Triton AdamW kernels take: decay, 1 - beta1, beta2, 1 - beta2, the square
+        root of the second bias correction, eps and the step size."""
+        bc1, bc2 = 1 - self.beta1**self.step, 1 - self.beta2**self.step
+        decay, step_size = 1 - self.lr * self.weight_decay, self.lr / bc1
+        return decay, 1 - self.beta1, self.beta2, 1 - self.beta2, bc2**0.5, self.eps, step_size
 
-def _step_torch(
-    master: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    chunks: tuple[Tensor, Tensor],
-    grad_scale: Tensor | None,
-    out: Tensor | None,
-    hp: Hyper,
-) -> None:
+
+def _step_torch(bufs: Flat, hp: Hyper) -> None:
     """torch's ``_single_tensor_adam`` (decoupled decay), op for op, on each contiguous run."""
+    master, grad, exp_avg, exp_avg_sq, chunks, grad_scale, out = bufs
     lr, beta1, beta2, eps, weight_decay, step = (
         hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.step
     )  # fmt: skip
@@ -268,16 +273,8 @@ def _runs(chunks: tuple[Tensor, Tensor], numel: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _step_triton(
-    master: Tensor,
-    grad: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
-    chunks: tuple[Tensor, Tensor],
-    grad_scale: Tensor | None,
-    out: Tensor | None,
-    hp: Hyper,
-) -> None:
+def _step_triton(bufs: Flat, hp: Hyper) -> None:
+    master, grad, exp_avg, exp_avg_sq, chunks, grad_scale, out = bufs
     starts, ends = chunks
     if starts.numel() == 0:
         return
@@ -290,8 +287,7 @@ def _step_triton(
             master if out is None else out,
             master if grad_scale is None else grad_scale,
             starts, ends,
-            1 - hp.lr * hp.weight_decay, 1 - hp.beta1, hp.beta2, 1 - hp.beta2,
-            (1 - hp.beta2**hp.step) ** 0.5, hp.eps, hp.lr / (1 - hp.beta1**hp.step),
+            *hp.kernel_scalars(),
             HAS_SCALE=grad_scale is not None, HAS_OUT=out is not None,
             BLOCK=_BLOCK, num_warps=_NUM_WARPS,
         )  # fmt: skip

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ._flat_adamw import Hyper, _step_triton, flat_adamw_, segment_chunks
+from ._common import closure_loss
+from ._flat_adamw import Flat, Hyper, _step_triton, flat_adamw_, segment_chunks
 from ._muon import _local
 
 __all__ = ["MasterAdamW", "MasterStep"]
@@ -135,10 +136,7 @@ class MasterStep:
         self, closure: Callable[[], float] | None
     ) -> tuple[float | None, torch.Tensor | None, list[torch.Tensor]]:
         """The closure's loss, the clip scale (consumed) and the parameters with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         scale, self.clip_scale = self.clip_scale, None
         grads = ((p, self._grad_of(p)) for g in self.param_groups for p in g["params"])
         return loss, scale, [p for p, g in grads if g is not None]
@@ -197,7 +195,7 @@ class MasterStep:
             args = (p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1))
             args += (state["exp_avg_sq"].view(-1), chunks)
             if self._checked.get(id(p)) == grad.dtype:  # checked once: skip the host checks
-                _step_triton(*args, scale, out, Hyper(step=step, **hyper))
+                _step_triton(Flat(*args, scale, out), Hyper(step=step, **hyper))
             else:
                 flat_adamw_(*args, grad_scale=scale, out=out, backend="triton", step=step, **hyper)
                 self._checked[id(p)] = grad.dtype

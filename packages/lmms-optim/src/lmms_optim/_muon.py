@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from ._common import closure_loss
 from ._ns import (
     Backend,
     Coefficients,
@@ -315,10 +316,7 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw_step(group)
