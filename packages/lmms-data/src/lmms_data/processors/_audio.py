@@ -24,10 +24,15 @@ from typing import Any
 import numpy as np
 
 from lmms_data._audio import AudioOptions, load_audio_clips
-from lmms_data._errors import BadRecordError
 from lmms_data._local_processor import register_local_processor
 from lmms_data._registry import register_processor
-from lmms_data.processors._chat import IGNORE_INDEX, load_tokenizer, tokenize_chat
+from lmms_data.processors._chat import (
+    check_slots,
+    fill_slots,
+    load_tokenizer,
+    template_messages,
+    tokenize_media,
+)
 
 __all__ = ["AUDIO_TYPE_ID", "Qwen2AudioDataProcessor", "audio_output_lengths"]
 
@@ -46,6 +51,15 @@ def audio_output_lengths(feature_lens: np.ndarray) -> np.ndarray:
     then a stride-2 pooling (upstream's ``_get_feat_extract_output_lengths``)."""
     after_conv = (np.asarray(feature_lens) - 1) // 2 + 1
     return (after_conv - 2) // 2 + 1
+
+
+def tokens_per_group(tokens: list[int], groups: list[list[Any]]) -> list[int]:
+    """Sums of ``tokens`` (one per clip, in order) over consecutive ``groups`` of clips."""
+    out, i = [], 0
+    for group in groups:
+        out.append(sum(tokens[i : i + len(group)]))
+        i += len(group)
+    return out
 
 
 def load_feature_extractor(processor: Any) -> Any:
@@ -136,46 +150,22 @@ class Qwen2AudioDataProcessor:
 
     def __call__(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         clips_per_part: list[list[np.ndarray]] = []
-        template_msgs = []
-        for m in messages:
-            parts = []
-            for part in m["content"]:
-                t = part["type"]
-                if t == "audio":
-                    clips_per_part.append(
-                        load_audio_clips(part["audio"], self.features.rate, self.audio)
-                    )
-                    parts.append({"type": "audio", "audio": "audio"})  # templates test either
-                elif t == "text":
-                    parts.append({"type": "text", "text": part["text"]})
-                else:
-                    raise BadRecordError(
-                        "unsupported_media", f"{type(self).__name__} cannot take {t} parts"
-                    )
-            template_msgs.append({"role": m["role"], "content": parts})
+        rate = self.features.rate
+        take = {
+            "audio": lambda p: clips_per_part.append(load_audio_clips(p["audio"], rate, self.audio))
+        }
+        template_msgs = template_messages(messages, type(self).__name__, take, name_media=True)
         text = self.tokenizer.apply_chat_template(template_msgs, tokenize=False)
-        pieces = text.split(self.audio_token)
-        if len(pieces) - 1 != len(clips_per_part):
-            raise BadRecordError(
-                "media_mismatch",
-                f"template has {len(pieces) - 1} audio slots for {len(clips_per_part)} audios",
-            )
+        check_slots(text, {self.audio_token: len(clips_per_part)})
         sample: dict[str, Any] = {}
         if clips_per_part:
             sample.update(self.features([c for clips in clips_per_part for c in clips]))
             tokens = audio_output_lengths(sample["audio_feature_lens"]).tolist()
-            per_part, i = [], 0
-            for clips in clips_per_part:
-                per_part.append(sum(tokens[i : i + len(clips)]))
-                i += len(clips)
-            text = pieces[0] + "".join(
-                self.audio_token * n + rest for n, rest in zip(per_part, pieces[1:], strict=True)
-            )
-        ids, labels = tokenize_chat(self.tokenizer, text)  # [L], [L]
-        types = np.where(ids == self.audio_token_id, AUDIO_TYPE_ID, 0).astype(np.int64)
-        labels[types != 0] = IGNORE_INDEX
-        if not (labels != IGNORE_INDEX).any():
-            raise BadRecordError("no_assistant", "no supervised token after templating")
+            per_part = tokens_per_group(tokens, clips_per_part)
+            text = fill_slots(text, self.audio_token, [self.audio_token * n for n in per_part])
+        ids, labels, types = tokenize_media(
+            self.tokenizer, text, {self.audio_token_id: AUDIO_TYPE_ID}
+        )
         L = len(ids)
         sample.update(
             input_ids=ids,

@@ -24,11 +24,14 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from lmms_data._errors import BadRecordError
 from lmms_data._local_processor import register_local_processor
 from lmms_data._media import decode_video_part, load_image
 from lmms_data._registry import register_processor
-from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
+from lmms_data.processors._chat import (
+    fill_slots,
+    template_messages,
+    tokenize_media,
+)
 
 __all__ = ["LlavaOnevisionDataProcessor", "anyres_image_tokens"]
 
@@ -149,22 +152,14 @@ class LlavaOnevisionDataProcessor:
 
     # ---- main ------------------------------------------------------------------------------
     def __call__(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        images, videos, template_msgs = [], [], []
-        for m in messages:
-            parts = []
-            for part in m["content"]:
-                t = part["type"]
-                if t == "image":
-                    images.append(load_image(part["image"]))
-                elif t == "video":
-                    videos.append(decode_video_part(part, fps=self.video_fps,
-                                                    max_frames=self.video_max_frames, multiple=1))  # fmt: skip
-                elif t != "text":
-                    raise BadRecordError(
-                        "unsupported_media", f"{self.family} cannot take {t} parts"
-                    )
-                parts.append({"type": t, "text": part["text"]} if t == "text" else {"type": t})
-            template_msgs.append({"role": m["role"], "content": parts})
+        images, videos = [], []
+
+        def video(part: dict[str, Any]) -> None:
+            opts = dict(fps=self.video_fps, max_frames=self.video_max_frames, multiple=1)
+            videos.append(decode_video_part(part, **opts))
+
+        take = {"image": lambda part: images.append(load_image(part["image"])), "video": video}
+        template_msgs = template_messages(messages, self.family, take)
         text = self.tokenizer.apply_chat_template(template_msgs, tokenize=False)
         sample: dict[str, Any] = {}
         fills: dict[str, list[str]] = {self.image_token: [], self.video_token: []}
@@ -183,20 +178,10 @@ class LlavaOnevisionDataProcessor:
             pooled = math.ceil(self.side / 2) ** 2
             fills[self.video_token] = [self.video_token * (len(f) * pooled + 1) for f in frames]
         for token, expanded in fills.items():
-            pieces = text.split(token)
-            if len(pieces) - 1 != len(expanded):
-                raise BadRecordError(
-                    "media_mismatch", f"template has {len(pieces) - 1} {token} slots for "
-                    f"{len(expanded)} media"
-                )  # fmt: skip
-            text = pieces[0] + "".join(e + r for e, r in zip(expanded, pieces[1:], strict=True))
-        ids, labels = tokenize_chat(self.tokenizer, text)  # [L], [L]
-        types = np.zeros_like(ids)
-        types[ids == self.image_token_id] = 1
-        types[ids == self.video_token_id] = 2
-        labels[types != 0] = IGNORE_INDEX
-        if not (labels != IGNORE_INDEX).any():
-            raise BadRecordError("no_assistant", "no supervised token after templating")
+            text = fill_slots(text, token, expanded)
+        ids, labels, types = tokenize_media(
+            self.tokenizer, text, {self.image_token_id: 1, self.video_token_id: 2}
+        )
         sample.update(
             input_ids=ids, labels=labels, length=len(ids), vision_tokens=int((types != 0).sum()),
             mm_token_type_ids=types.astype(np.int64),

@@ -23,9 +23,8 @@ from typing import Any
 import numpy as np
 
 from lmms_data._audio import load_audio_clips
-from lmms_data._errors import BadRecordError
 from lmms_data._local_processor import register_local_processor
-from lmms_data._media import decode_video_part, load_image
+from lmms_data._media import load_image
 from lmms_data._registry import register_processor
 from lmms_data.processors._audio import (
     AUDIO_TYPE_ID,
@@ -33,8 +32,14 @@ from lmms_data.processors._audio import (
     audio_options,
     audio_output_lengths,
     load_feature_extractor,
+    tokens_per_group,
 )
-from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
+from lmms_data.processors._chat import (
+    check_slots,
+    fill_slots,
+    template_messages,
+    tokenize_media,
+)
 from lmms_data.processors._qwen_vl import QwenVLProcessor
 
 __all__ = ["Qwen2_5OmniDataProcessor", "chunk_ranges", "tmrope_positions"]
@@ -183,48 +188,34 @@ class Qwen2_5OmniDataProcessor(QwenVLProcessor):
     def _collect(self, messages: list[dict[str, Any]]) -> tuple[list, list, list, list, list]:
         """(images, videos, per-video sound clips, per-audio-part clips) in order, and the
         messages the chat template renders."""
-        images, videos, video_sound, audios, template = [], [], [], [], []
+        images, videos, video_sound, audios = [], [], [], []
         rate = self.features.rate
-        for m in messages:
-            parts = []
-            for part in m["content"]:
-                t = part["type"]
-                if t == "image":
-                    images.append(load_image(part["image"]))
-                elif t == "video":
-                    videos.append(decode_video_part(part, fps=self.video_fps,
-                                                    max_frames=self.video_max_frames, multiple=self.tp,
-                                                    min_pixels=self.video_min_pixels, max_pixels=self.video_max_pixels))  # fmt: skip
-                    if self.use_audio_in_video:  # one clip: the interleaving places it whole
-                        clips = load_audio_clips(part["video"], rate, self.audio, from_video=True)
-                        video_sound.append(clips[0])
-                elif t == "audio":
-                    audios.append(load_audio_clips(part["audio"], rate, self.audio))
-                elif t != "text":
-                    raise BadRecordError("unsupported_media", f"{self.family} cannot take {t}")
-                parts.append(
-                    {"type": t, "text": part["text"]} if t == "text" else {"type": t, t: t}
+
+        def video(part: dict[str, Any]) -> None:
+            videos.append(self._decode_video(part))
+            if self.use_audio_in_video:  # one clip: the interleaving places it whole
+                video_sound.append(
+                    load_audio_clips(part["video"], rate, self.audio, from_video=True)[0]
                 )
-            template.append({"role": m["role"], "content": parts})
+
+        take = {
+            "image": lambda part: images.append(load_image(part["image"])),
+            "video": video,
+            "audio": lambda part: audios.append(load_audio_clips(part["audio"], rate, self.audio)),
+        }
+        template = template_messages(messages, self.family, take, name_media=True)
         return images, videos, video_sound, audios, template
 
     def __call__(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         images, videos, video_sound, audios, template = self._collect(messages)
         text = self.tokenizer.apply_chat_template(template, tokenize=False)
         sample: dict[str, Any] = {}
-        for token, items in ((self.image_token, images), (self.video_token, videos),
-                             (self.audio_token, audios)):  # fmt: skip
-            if text.count(token) != len(items):
-                raise BadRecordError(
-                    "media_mismatch", f"template has {text.count(token)} {token} for {len(items)}"
-                )
+        slots = {self.image_token: images, self.video_token: videos, self.audio_token: audios}
+        check_slots(text, {token: len(items) for token, items in slots.items()})
         if images:
             sample.update(self.process_images(images))
             merged = sample["image_grid_thw"].prod(-1) // self.merge**2
-            pieces = text.split(self.image_token)
-            text = pieces[0] + "".join(
-                self.image_token * int(n) + r for n, r in zip(merged, pieces[1:], strict=True)
-            )
+            text = fill_slots(text, self.image_token, [self.image_token * int(n) for n in merged])
         # audio features in token order: a video's sound track sits where its video is
         clip_lists, order = [], self._audio_order(text, len(videos))
         for kind, k in order:
@@ -234,32 +225,20 @@ class Qwen2_5OmniDataProcessor(QwenVLProcessor):
         if flat:
             sample.update(self.features(flat))
             tokens = self.audio_tokens(sample["audio_feature_lens"]).tolist()
-            i = 0
-            for clips in clip_lists:
-                per_block.append(sum(tokens[i : i + len(clips)]))
-                i += len(clips)
+            per_block = tokens_per_group(tokens, clip_lists)
         block_of = dict(zip(order, per_block, strict=True))
         if audios:
-            pieces = text.split(self.audio_token)
-            counts = [block_of[("audio", k)] for k in range(len(audios))]
-            text = pieces[0] + "".join(
-                self.audio_token * n + r for n, r in zip(counts, pieces[1:], strict=True)
-            )
+            fills = [self.audio_token * block_of[("audio", k)] for k in range(len(audios))]
+            text = fill_slots(text, self.audio_token, fills)
         spg: list[float] = []
         if videos:
-            patches, grids, fills = [], [], []
-            for k, v in enumerate(videos):
-                pv, g = self.patchify_video(v.frames, v.pixels)
-                patches.append(pv)
-                grids.append(g)
-                sampled_fps = len(v.indices) * v.fps / max(1, int(v.indices[-1]) + 1)
-                spg.append(self.tp / sampled_fps)
-                fills.append(self._video_fill(g, spg[-1], block_of.get(("video", k))))
-            sample["pixel_values_videos"] = np.concatenate(patches)
-            sample["video_grid_thw"] = np.stack(grids)
-            sample["second_per_grid_ts"] = np.asarray(spg, dtype=np.float32)
-            pieces = text.split(self.video_token)
-            text = pieces[0] + "".join(f + r for f, r in zip(fills, pieces[1:], strict=True))
+            media, grids, spg = self._patch_videos(videos)
+            sample.update(media, second_per_grid_ts=np.asarray(spg, dtype=np.float32))
+            fills = [
+                self._video_fill(g, s, block_of.get(("video", k)))
+                for k, (g, s) in enumerate(zip(grids, spg, strict=True))
+            ]
+            text = fill_slots(text, self.video_token, fills)
         return self._finish(sample, text, [block_of[o] for o in order], spg)
 
     def rope_positions(self, ids: np.ndarray, sample: dict[str, Any], audio_blocks: list[int],
@@ -314,17 +293,10 @@ class Qwen2_5OmniDataProcessor(QwenVLProcessor):
     def _finish(
         self, sample: dict[str, Any], text: str, audio_blocks: list[int], spg: list[float]
     ) -> dict[str, Any]:
-        ids, labels = tokenize_chat(self.tokenizer, text)  # [L], [L]
-        types = np.zeros_like(ids)
-        types[ids == self.token_ids["image"]] = 1
-        types[ids == self.token_ids["video"]] = 2
-        types[ids == self.token_ids["audio"]] = AUDIO_TYPE_ID
-        markers = [
-            self.token_ids[k] for k in ("vision_bos", "vision_eos", "audio_bos", "audio_eos")
-        ]
-        labels[(types != 0) | np.isin(ids, markers)] = IGNORE_INDEX
-        if not (labels != IGNORE_INDEX).any():
-            raise BadRecordError("no_assistant", "no supervised token after templating")
+        ids_of = self.token_ids
+        type_of = {ids_of["image"]: 1, ids_of["video"]: 2, ids_of["audio"]: AUDIO_TYPE_ID}
+        markers = [ids_of[k] for k in ("vision_bos", "vision_eos", "audio_bos", "audio_eos")]
+        ids, labels, types = tokenize_media(self.tokenizer, text, type_of, markers)
         L = len(ids)
         sample.update(
             input_ids=ids,

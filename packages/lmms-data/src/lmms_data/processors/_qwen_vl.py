@@ -33,7 +33,12 @@ from lmms_data._local_processor import (
 )
 from lmms_data._media import decode_video_part, load_image
 from lmms_data._registry import register_processor
-from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
+from lmms_data.processors._chat import (
+    check_slots,
+    fill_slots,
+    template_messages,
+    tokenize_media,
+)
 from lmms_data.processors._mrope import mrope_positions
 
 
@@ -157,72 +162,63 @@ class QwenVLProcessor:
         patches = np.ascontiguousarray(x).reshape(gt * gh * gw, C * self.tp * p * p)
         return patches, np.array([gt, gh, gw], dtype=np.int64)
 
+    def _decode_video(self, part: dict[str, Any]) -> Any:
+        """A video part's frames, sampled and resized as this processor's options say."""
+        return decode_video_part(
+            part,
+            fps=self.video_fps,
+            max_frames=self.video_max_frames,
+            multiple=self.tp,
+            min_pixels=self.video_min_pixels,
+            max_pixels=self.video_max_pixels,
+        )
+
+    def _patch_videos(self, videos: list[Any]) -> tuple[dict[str, Any], list[np.ndarray], list]:
+        """``pixel_values_videos`` and ``video_grid_thw`` of decoded ``videos``, each video's
+        grid ``[3]`` and its seconds per temporal patch (from the sampled frame rate)."""
+        patches, grids, spg = [], [], []
+        for v in videos:
+            pv, g = self.patchify_video(v.frames, v.pixels)
+            patches.append(pv)
+            grids.append(g)
+            sampled_fps = len(v.indices) * v.fps / max(1, int(v.indices[-1]) + 1)
+            spg.append(self.tp / sampled_fps)
+        media = {"pixel_values_videos": np.concatenate(patches), "video_grid_thw": np.stack(grids)}
+        return media, grids, spg
+
     def _video_placeholder(self, grid: np.ndarray, indices: np.ndarray, fps: float) -> str:
         n = int(grid[1] * grid[2]) // self.merge**2
         return self.video_token * (int(grid[0]) * n)
 
     # ---- main ------------------------------------------------------------------------------
     def __call__(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
-        images, videos, template_msgs = [], [], []
-        for m in messages:
-            parts = []
-            for part in m["content"]:
-                t = part["type"]
-                if t == "image":
-                    images.append(load_image(part["image"]))
-                elif t == "video":
-                    videos.append(decode_video_part(part, fps=self.video_fps,
-                                                    max_frames=self.video_max_frames, multiple=self.tp,
-                                                    min_pixels=self.video_min_pixels, max_pixels=self.video_max_pixels))  # fmt: skip
-                elif t != "text":
-                    raise BadRecordError(
-                        "unsupported_media", f"{self.family} cannot take {t} parts"
-                    )
-                parts.append({"type": t, "text": part["text"]} if t == "text" else {"type": t})
-            template_msgs.append({"role": m["role"], "content": parts})
+        images, videos = [], []
+        take = {
+            "image": lambda part: images.append(load_image(part["image"])),
+            "video": lambda part: videos.append(self._decode_video(part)),
+        }
+        template_msgs = template_messages(messages, self.family, take)
         text = self.tokenizer.apply_chat_template(template_msgs, tokenize=False)
-
+        check_slots(text, {self.image_token: len(images), self.video_token: len(videos)})
         sample: dict[str, Any] = {}
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise BadRecordError(
-                "media_mismatch",
-                f"template has {len(pieces) - 1} image slots for {len(images)} images",
-            )
         if images:
             sample.update(self.process_images(images))
             merged = sample["image_grid_thw"].prod(-1) // self.merge**2
-            text = pieces[0] + "".join(
-                self.image_token * int(n) + rest for n, rest in zip(merged, pieces[1:], strict=True)
-            )
-        vpieces = text.split(self.video_token)
-        if len(vpieces) - 1 != len(videos):
-            raise BadRecordError(
-                "media_mismatch",
-                f"template has {len(vpieces) - 1} video slots for {len(videos)} videos",
-            )
+            text = fill_slots(text, self.image_token, [self.image_token * int(n) for n in merged])
         if videos:
-            patches, grids, fills, spg = [], [], [], []
-            for v in videos:
-                pv, g = self.patchify_video(v.frames, v.pixels)
-                patches.append(pv)
-                grids.append(g)
-                fills.append(self._video_placeholder(g, v.indices, v.fps))
-                sampled_fps = len(v.indices) * v.fps / max(1, int(v.indices[-1]) + 1)
-                spg.append(self.tp / sampled_fps)
-            sample["pixel_values_videos"] = np.concatenate(patches)
-            sample["video_grid_thw"] = np.stack(grids)
+            media, grids, spg = self._patch_videos(videos)
+            sample.update(media)
             if self.family == "qwen2_5_vl":
                 sample["second_per_grid_ts"] = np.asarray(spg, dtype=np.float32)
-            text = vpieces[0] + "".join(f + r for f, r in zip(fills, vpieces[1:], strict=True))
+            fills = [
+                self._video_placeholder(g, v.indices, v.fps)
+                for g, v in zip(grids, videos, strict=True)
+            ]
+            text = fill_slots(text, self.video_token, fills)
 
-        ids, labels = tokenize_chat(self.tokenizer, text)  # [L], [L]
-        types = np.zeros_like(ids)
-        types[ids == self.image_token_id] = 1
-        types[ids == self.video_token_id] = 2
-        labels[types != 0] = IGNORE_INDEX
-        if not (labels != IGNORE_INDEX).any():
-            raise BadRecordError("no_assistant", "no supervised token after templating")
+        ids, labels, types = tokenize_media(
+            self.tokenizer, text, {self.image_token_id: 1, self.video_token_id: 2}
+        )
         rope = mrope_positions(
             types, sample.get("image_grid_thw"), sample.get("video_grid_thw"), merge=self.merge,
             family=self.family, second_per_grid_ts=spg if videos else None,
