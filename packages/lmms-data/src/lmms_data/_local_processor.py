@@ -54,19 +54,33 @@ SPECIAL_TOKENS = (
     "<|audio_pad|>",
 )
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
+
+def chat_template(media: str, prelude: str = "") -> str:
+    """A Qwen chat template (a default system turn, string or list contents, the generation
+    prompt) whose list contents render a part by ``media`` (Jinja ``{% if %}``/``{% elif %}``
+    branches on ``content['type']``), text parts as their text; ``prelude`` opens the template."""
+    head = (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for content in message['content'] %}"
+    )
+    tail = (
+        "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return prelude + head + media + tail
+
+
+#: images and videos between the vision markers, as the released Qwen-VL templates render them
+VISION_PARTS = (
     "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+CHAT_TEMPLATE = chat_template(VISION_PARTS)
 
 _CORPUS = [
     "You are a helpful assistant.",

@@ -18,40 +18,22 @@ import json
 import os
 from typing import Any
 
+from lmms_data._local_processor import VISION_PARTS, chat_template
+
 __all__ = ["AUDIO_FAMILIES", "AUDIO_SPECIAL_TOKENS", "build_local_audio_processor"]
 
 AUDIO_FAMILIES = ("qwen2_audio", "qwen2_5_omni", "qwen3_omni_moe")
 AUDIO_SPECIAL_TOKENS = ("<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
 
-AUDIO_CHAT_TEMPLATE = (
-    "{% set audio_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
+AUDIO_CHAT_TEMPLATE = chat_template(
     "{% if content['type'] == 'audio' %}{% set audio_count.value = audio_count.value + 1 %}"
-    "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
-    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n",
+    prelude="{% set audio_count = namespace(value=0) %}",
 )
 
 #: Qwen2.5-Omni: images and videos as in the Qwen-VL folders, audio as Qwen2-Audio's markers
-OMNI_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif content['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
-    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+OMNI_CHAT_TEMPLATE = chat_template(
+    VISION_PARTS + "{% elif content['type'] == 'audio' %}<|audio_bos|><|AUDIO|><|audio_eos|>"
 )
 
 
