@@ -21,9 +21,18 @@ def fwd_bwd(fn, q, k, v, grad) -> tuple[torch.Tensor, ...]:
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
 
-def cuda_attention_cases(head_dim: int, gen: torch.Generator):
-    """Two packed bf16 CUDA cases, GQA (8 query / 2 kv heads, 700 tokens) and MHA (4 / 4, 257),
-    each a random packing of up to 9 segments: yields ``(h, kv, cu, max_len, q, k, v, grad)``."""
+def cuda_attention_cases(backend: str, head_dim: int, causal: bool):
+    """Two packed bf16 CUDA cases for ``backend`` (the test is skipped where it is not
+    installed), GQA (8 query / 2 kv heads, 700 tokens) and MHA (4 / 4, 257), each a random
+    packing of up to 9 segments, seeded by the case: yields ``(h, kv, cu, max_len, q, k, v,
+    grad)``."""
+    import pytest
+
+    import lmms_kernels as lk
+
+    if backend not in lk.available_backends("cuda"):
+        pytest.skip(f"{backend} not installed")
+    gen = torch.Generator().manual_seed(head_dim + causal)
     for h, kv, total in [(8, 2, 700), (4, 4, 257)]:
         cu = random_cu_seqlens(total, 9, gen).cuda()
         mx = int(torch.diff(cu).max())

@@ -19,10 +19,7 @@ OP = torch.ops.lmms_kernels.varlen_attn
 @pytest.mark.parametrize("head_dim", [64, 128, 80])
 @pytest.mark.parametrize("causal", [True, False])
 def test_custom_op_matches_eager_backend_gpu(backend, head_dim, causal):
-    if backend not in lk.available_backends("cuda"):
-        pytest.skip(f"{backend} not installed")
-    gen = torch.Generator().manual_seed(head_dim + causal)
-    for h, kv, cu, mx, q, k, v, g in cuda_attention_cases(head_dim, gen):
+    for h, kv, cu, mx, q, k, v, g in cuda_attention_cases(backend, head_dim, causal):
 
         def eager(q, k, v, cu=cu, mx=mx):
             return lk.varlen_attention(q, k, v, cu, cu, mx, mx, causal=causal, backend=backend)
