@@ -79,9 +79,43 @@ def resume_is_exact_with_bf16_weights(dev):
         assert abs(moved / ref - 1) < 0.05, (float(moved), float(ref))
 
 
+def fused_matches_per_parameter(dev):
+    """One launch per group (`lmms_optim._lowp_multi`) == one kernel per parameter, bit for
+    bit: bf16 moments over fp32 masters writing bf16 mirrors, and bf16 weights; two groups,
+    a parameter of two chunks, the clip scale; mirrors equal the masters rounded to nearest."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(37, 29), (11,), (9000,)]  # 9000: two chunks of the fused kernel
+    for dtype in (torch.float32, torch.bfloat16):
+        start = [torch.randn(s, generator=gen) * 0.1 for s in shapes]
+        grads = [[torch.randn(s, generator=gen).to(dev) for s in shapes] for _ in range(3)]
+        runs = []
+        for fused in (True, False):
+            ps = [torch.nn.Parameter(x.to(dev, dtype, copy=True)) for x in start]
+            groups = [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0}]
+            opt = LowPrecisionAdamW(groups, lr=1e-2, weight_decay=0.1, seed=3, backend="triton",
+                                    fused=fused)  # fmt: skip
+            mirrors = {id(p): torch.zeros_like(p, dtype=torch.bfloat16) for p in ps}
+            if dtype == torch.float32:
+                opt.set_mirrors(mirrors)
+            _run(opt, ps, grads, clip=True)
+            runs.append((ps, opt, mirrors))
+        (a, oa, ma), (b, ob, mb) = runs
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y), dtype
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(oa.state[x][key], ob.state[y][key]), (dtype, key)
+            if dtype == torch.float32 and dev == "cuda":
+                assert torch.equal(ma[id(x)], mb[id(y)])
+                assert torch.equal(ma[id(x)], x.detach().to(torch.bfloat16))
+            elif dtype == torch.float32:  # the interpreter's bf16 cast truncates: one ulp
+                torch.testing.assert_close(ma[id(x)], x.detach().to(torch.bfloat16))
+        assert not torch.equal(a[0], start[0].to(dev, dtype))
+
+
 if __name__ == "__main__":
     dev = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     fp32_state_matches_torch(dev)
     stochastic_rounding_tracks_the_second_moment(dev)
     resume_is_exact_with_bf16_weights(dev)
+    fused_matches_per_parameter(dev)
     print("ok")

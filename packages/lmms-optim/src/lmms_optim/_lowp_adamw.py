@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from ._common import closure_loss
+
 __all__ = ["LowPrecisionAdamW", "stochastic_round_"]
 
 _LOW = 1 << 16  # the 16 bits of an fp32 value that bf16 does not keep
@@ -102,6 +104,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         seed: int = 0,
         chunk_numel: int = 1 << 24,
         backend: str = "auto",
+        fused: bool = True,
     ) -> None:
         if state_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(
@@ -120,9 +123,27 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                         f"LowPrecisionAdamW steps fp32 or bf16 parameters, got {p.dtype}"
                     )
         self.state_dtype, self.rounding, self.seed = state_dtype, rounding, seed
-        self.chunk_numel, self.backend = chunk_numel, backend
+        self.chunk_numel, self.backend, self.fused = chunk_numel, backend, fused
         self.clip_scale: torch.Tensor | None = None
         self._grad_of: Callable[[torch.Tensor], torch.Tensor | None] = lambda p: p.grad
+        self._mirrors: dict[int, torch.Tensor] = {}
+        self._packs: dict[tuple[int, ...], Any] = {}  # ids of a group's stepped params -> tables
+
+    def set_mirrors(self, mirrors: dict[int, torch.Tensor]) -> None:
+        """``id(parameter) -> tensor`` of its shape (bf16 compute weights) that receives the
+        parameter's new value after each step: in the update's own kernel on the fused Triton
+        path, one copy per parameter otherwise (``lmms_parallel.MasterWeights.attach`` hands
+        over the compute weights and then runs no copy of its own)."""
+        stepped = [p for g in self.param_groups for p in g["params"]]
+        for p in stepped:
+            m = mirrors.get(id(p))
+            if m is None or m.shape != p.shape or m.device != p.device or not m.is_contiguous():
+                raise ValueError(
+                    "LowPrecisionAdamW.set_mirrors: every parameter needs a contiguous mirror of "
+                    f"its shape and device (parameter {tuple(p.shape)} on {p.device})"
+                )
+        self._mirrors = {id(p): mirrors[id(p)] for p in stepped}
+        self._packs.clear()
 
     # ------------------------------------------------------------------ gradients
     def set_grad_source(self, grad_of: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
@@ -140,7 +161,12 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         grads = self.gradients()
         if not grads:
             return torch.zeros((), device=self.param_groups[0]["params"][0].device)
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        from ._master_adamw import _norms_fp32  # one foreach launch per dtype
+
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        norms = [n for gs in by_dtype.values() for n in _norms_fp32(gs)]
         norm = torch.linalg.vector_norm(torch.stack(norms))
         if max_norm > 0:
             self.clip_scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -150,6 +176,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         """torch's loader casts floating state to each parameter's dtype; the moments go back to
         ``state_dtype`` (bf16 -> fp32 -> bf16 is exact) and the step counts stay on the host."""
         super().load_state_dict(state_dict)
+        self._packs.clear()  # new state tensors: the fused path's address tables are stale
         for state in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
@@ -189,58 +216,108 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         scale = self.clip_scale
-        index = -1
+        first = 0  # optimizer-wide index of the group's first parameter (the rounding seeds)
         for group in self.param_groups:
-            lr, (b1, b2) = group["lr"], group["betas"]
-            eps, wd = group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                index += 1
-                grad = self._grad_of(p)
-                if grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
-                state["step"] += 1
-                t = int(state["step"].item())  # a host counter (CPU tensor): no device read
-                if self._use_triton(p):
-                    from ._lowp_triton import lowp_adamw_triton_
-
-                    lowp_adamw_triton_(
-                        p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=lr,
-                        beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=t,
-                        seed=_seed(self.seed, t, index, 0, 0) % (1 << 31),
-                        stochastic=self.rounding == "stochastic", grad_scale=scale,
-                    )  # fmt: skip
-                    continue
-                bc1, bc2 = 1 - b1**t, 1 - b2**t
-                step_size, bc2_sqrt = lr / bc1, math.sqrt(bc2)
-                flat = (p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1),
-                        state["exp_avg_sq"].view(-1))  # fmt: skip
-                for c, start in enumerate(range(0, p.numel(), self.chunk_numel)):
-                    pc, gc, mc, vc = (x[start : start + self.chunk_numel] for x in flat)
-                    g = gc.float()
-                    if scale is not None:
-                        g = g * scale
-                    m, v = mc.float(), vc.float()
-                    m.lerp_(g, 1 - b1)
-                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                    w = pc.float() if pc.dtype != torch.float32 else pc
-                    if wd:
-                        w.mul_(1 - lr * wd)
-                    w.addcdiv_(
-                        m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size
-                    )  # torch's order
-                    if pc.dtype != torch.float32:
-                        self._store(pc, w, (t, index, 0, c))
-                    self._store(mc, m, (t, index, 1, c))
-                    self._store(vc, v, (t, index, 2, c))
+            if not (self.fused and self._fused_group(group, first, scale)):
+                for k, p in enumerate(group["params"]):
+                    self._step_param(group, p, first + k, scale)
+            first += len(group["params"])
         self.clip_scale = None
         return loss
+
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+        return state
+
+    def _fused_group(self, group: dict[str, Any], first: int, scale: torch.Tensor | None) -> bool:
+        """Every parameter of ``group`` with a gradient in one Triton launch
+        (:mod:`lmms_optim._lowp_multi`); False (nothing done) where that path does not apply:
+        not the Triton backend, mixed dtypes, non-contiguous tensors, unequal step counts."""
+        live = [(first + k, p, self._grad_of(p)) for k, p in enumerate(group["params"])]
+        live = [(i, p, g) for i, p, g in live if g is not None]
+        if not live or not self._use_triton(live[0][1]):
+            return False
+        if len({p.dtype for _, p, _ in live}) != 1 or len({g.dtype for _, _, g in live}) != 1:
+            return False
+        if not all(p.is_contiguous() and g.is_contiguous() for _, p, g in live):
+            return False
+        states = [self._state(p) for _, p, _ in live]
+        steps = {float(st["step"]) for st in states}
+        if len(steps) != 1:
+            return False
+        torch._foreach_add_([st["step"] for st in states], 1.0)
+        t = int(steps.pop()) + 1
+        from ._lowp_multi import MultiPack, lowp_adamw_multi_
+
+        key = tuple(id(p) for _, p, _ in live)
+        pack = self._packs.get(key)
+        if pack is None:
+            mirrors = [self._mirrors[id(p)] for _, p, _ in live] if self._mirrors else None
+            pack = self._packs[key] = MultiPack(
+                [p for _, p, _ in live], [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states], mirrors,
+            )  # fmt: skip
+        b1, b2 = group["betas"]
+        lowp_adamw_multi_(
+            pack, [g for _, _, g in live], [_seed(self.seed, t, i, 0, 0) % (1 << 31) for i, _, _ in live],
+            lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+            step=t, stochastic=self.rounding == "stochastic", grad_scale=scale,
+        )  # fmt: skip
+        return True
+
+    def _step_param(
+        self, group: dict[str, Any], p: torch.Tensor, index: int, scale: torch.Tensor | None
+    ) -> None:
+        """One parameter's step: the per-parameter Triton kernel or the torch path, then its
+        mirror's copy (if any)."""
+        lr, (b1, b2) = group["lr"], group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        grad = self._grad_of(p)
+        if grad is None:
+            return
+        state = self._state(p)
+        state["step"] += 1
+        t = int(state["step"].item())  # a host counter (CPU tensor): no device read
+        if self._use_triton(p):
+            from ._lowp_triton import lowp_adamw_triton_
+
+            lowp_adamw_triton_(
+                p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=lr,
+                beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=t,
+                seed=_seed(self.seed, t, index, 0, 0) % (1 << 31),
+                stochastic=self.rounding == "stochastic", grad_scale=scale,
+            )  # fmt: skip
+        else:
+            self._step_torch(p, grad, state, (lr, b1, b2, eps, wd), t, index, scale)
+        if id(p) in self._mirrors:
+            self._mirrors[id(p)].copy_(p)
+
+    def _step_torch(self, p, grad, state, hyper, t, index, scale) -> None:
+        """The torch backend: fp32 arithmetic in chunks of ``chunk_numel``, rounded back."""
+        lr, b1, b2, eps, wd = hyper
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        step_size, bc2_sqrt = lr / bc1, math.sqrt(bc2)
+        flat = (p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1),
+                state["exp_avg_sq"].view(-1))  # fmt: skip
+        for c, start in enumerate(range(0, p.numel(), self.chunk_numel)):
+            pc, gc, mc, vc = (x[start : start + self.chunk_numel] for x in flat)
+            g = gc.float()
+            if scale is not None:
+                g = g * scale
+            m, v = mc.float(), vc.float()
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            w = pc.float() if pc.dtype != torch.float32 else pc
+            if wd:
+                w.mul_(1 - lr * wd)
+            w.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)  # torch's order
+            if pc.dtype != torch.float32:
+                self._store(pc, w, (t, index, 0, c))
+            self._store(mc, m, (t, index, 1, c))
+            self._store(vc, v, (t, index, 2, c))

@@ -1,0 +1,185 @@
+"""One launch for every parameter of a group: :class:`lmms_optim.LowPrecisionAdamW`'s fused path.
+
+The per-parameter kernel (:mod:`lmms_optim._lowp_triton`) costs a Python call, host checks and a
+Triton launch per parameter: ~800 per step for Qwen2.5-VL-3B (norm weights and biases included),
+on the host while the device waits at the end of backward. Here one kernel steps every parameter
+of a group: a table of addresses (parameter, moments, low-precision mirror: built once, the
+tensors do not move) and one of the step's gradient addresses and seeds (one host-to-device
+copy per step), one program per chunk of 8192 elements. With ``lmms_parallel.MasterWeights``
+the kernel also writes the bf16 compute weight from the new fp32 master (what the masters'
+separate copy pass did): per parameter it reads the fp32 master, the bf16 gradient and both
+bf16 moments and writes the master, the moments and the bf16 weight, 20 bytes in all.
+
+Elements are computed and rounded exactly as the per-parameter kernel does (same formula, the
+same Philox streams from the parameter's seed and the element's index), so the two paths agree
+bit for bit (tested under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _lowp_triton
+
+__all__ = ["MultiPack", "lowp_adamw_multi_"]
+
+tl: Any = None  # triton.language, bound by _multi_kernel() on first use
+_sr: Any = None  # _lowp_triton's rounding helper, bound likewise (the interpreter reads globals)
+_BLOCK = 1024
+# ---------------------------------------------------------------- every parameter in one launch
+#: elements per program of the one-launch kernel (a parameter is cut into chunks of this size)
+_CHUNK = 8192
+
+
+class MultiPack:
+    """The static half of :func:`lowp_adamw_multi_`'s tables for one list of parameters: the
+    addresses of each parameter, its moments and its low-precision mirror (``[4, P]`` int64),
+    the element counts (``[P]``) and the chunks (parameter index ``[C]`` int32, first element
+    ``[C]`` int64), built once on the parameters' device. The tensors must stay where they are
+    (the optimizer's state and the masters do)."""
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        mirrors: list[torch.Tensor] | None,
+    ) -> None:
+        groups = [params, exp_avgs, exp_avg_sqs] + ([mirrors] if mirrors is not None else [])
+        for tensors in groups:
+            if len({t.dtype for t in tensors}) != 1 or not all(t.is_contiguous() for t in tensors):
+                raise ValueError("MultiPack: contiguous tensors of one dtype per role")
+        for row in zip(*groups, strict=True):
+            if len({t.numel() for t in row}) != 1 or len({t.device for t in row}) != 1:
+                raise ValueError("MultiPack: a parameter's tensors differ in size or device")
+        self.tensors = groups  # kept alive: the tables hold their addresses
+        self.dtypes = tuple(t[0].dtype for t in groups)
+        device = params[0].device
+        addresses = [[t.data_ptr() for t in ts] for ts in groups]
+        if mirrors is None:
+            addresses.append(addresses[0])  # never read (HAS_OUT off)
+        self.static = torch.tensor(addresses, dtype=torch.int64, device=device)
+        self.numel = torch.tensor([p.numel() for p in params], dtype=torch.int64, device=device)
+        index, start = [], []
+        for i, p in enumerate(params):
+            for s in range(0, p.numel(), _CHUNK):
+                index.append(i)
+                start.append(s)
+        self.chunk_index = torch.tensor(index, dtype=torch.int32, device=device)
+        self.chunk_start = torch.tensor(start, dtype=torch.int64, device=device)
+        self.count = len(params)
+
+
+def lowp_adamw_multi_(
+    pack: MultiPack,
+    grads: list[torch.Tensor],  # one per parameter of the pack, contiguous, one dtype
+    seeds: list[int],  # one per parameter, 0 <= seed < 2**31
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    stochastic: bool,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
+    """:func:`lowp_adamw_triton_` on every parameter of ``pack`` in one kernel launch, with the
+    updated parameter also written to its mirror (bf16, rounded to nearest) when the pack has
+    mirrors. Each element is computed and rounded exactly as the per-parameter kernel does
+    (the same Philox streams: seed and element index), so the two agree bit for bit. The
+    gradients' addresses and the seeds travel in one host-to-device copy per call."""
+    if len(grads) != pack.count or len(seeds) != pack.count:
+        raise ValueError(f"{pack.count} parameters, {len(grads)} gradients, {len(seeds)} seeds")
+    p_dt, s_dt = pack.dtypes[0], pack.dtypes[1]
+    if pack.dtypes[2] != s_dt or len({g.dtype for g in grads}) != 1:
+        raise ValueError("lowp_adamw_multi_: one moment dtype and one gradient dtype")
+    device = pack.static.device
+    host = torch.tensor([[g.data_ptr() for g in grads], seeds], dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dynamic = host.to(device, non_blocking=True)
+    kernel = _multi_kernel()
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    tdt = _triton_dtypes()
+    bf16 = torch.bfloat16
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kernel[(pack.chunk_index.numel(),)](
+            pack.static, dynamic, pack.numel, pack.chunk_index, pack.chunk_start,
+            pack.numel if grad_scale is None else grad_scale, pack.count,
+            1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps, lr / bc1,
+            HAS_SCALE=grad_scale is not None, HAS_OUT=len(pack.dtypes) == 4,
+            P_SR=stochastic and p_dt == bf16, S_SR=stochastic and s_dt == bf16,
+            P_DT=tdt[p_dt], G_DT=tdt[grads[0].dtype], S_DT=tdt[s_dt],
+            O_DT=tdt[pack.dtypes[-1]], CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4,
+        )  # fmt: skip
+
+
+def _triton_dtypes() -> dict[torch.dtype, Any]:
+    import triton.language as tlang
+
+    return {torch.float32: tlang.float32, torch.bfloat16: tlang.bfloat16,
+            torch.float16: tlang.float16}  # fmt: skip
+
+
+@functools.cache
+def _multi_kernel() -> Callable:
+    """The one-launch kernel (built on first use, like :func:`_kernel`)."""
+    global tl, _sr
+    import triton
+    import triton.language as tl
+
+    _lowp_triton._kernel()  # binds its rounding helper
+    _sr = _lowp_triton._sr
+
+    @triton.jit
+    def _lowp_adamw_multi_kernel(
+        static_ptr, dynamic_ptr, numel_ptr, chunk_index_ptr, chunk_start_ptr, scale_ptr, n_params,
+        decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, step_size,
+        HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, P_SR: tl.constexpr, S_SR: tl.constexpr,
+        P_DT: tl.constexpr, G_DT: tl.constexpr, S_DT: tl.constexpr, O_DT: tl.constexpr,
+        CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        c = tl.program_id(0)
+        i = tl.load(chunk_index_ptr + c)
+        start = tl.load(chunk_start_ptr + c)
+        end = tl.minimum(start + CHUNK, tl.load(numel_ptr + i))
+        p_ptr = tl.load(static_ptr + i).to(tl.pointer_type(P_DT))
+        m_ptr = tl.load(static_ptr + n_params + i).to(tl.pointer_type(S_DT))
+        v_ptr = tl.load(static_ptr + 2 * n_params + i).to(tl.pointer_type(S_DT))
+        o_ptr = tl.load(static_ptr + 3 * n_params + i).to(tl.pointer_type(O_DT))
+        g_ptr = tl.load(dynamic_ptr + i).to(tl.pointer_type(G_DT))
+        seed = tl.load(dynamic_ptr + n_params + i)
+        for base in range(start, end, BLOCK):
+            offs = base + tl.arange(0, BLOCK)
+            mask = offs < end
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SCALE:
+                g = g * tl.load(scale_ptr)
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            p = p * decay
+            m = m + one_minus_beta1 * (g - m)  # as the per-parameter kernel
+            v = v * beta2 + one_minus_beta2 * g * g
+            denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+            p = p - step_size * tl.div_rn(m, denom)
+            if P_SR or S_SR:  # the per-parameter kernel's streams: 32-bit element index
+                r0, r1, r2, _r3 = tl.randint4x(seed.to(tl.int32), offs.to(tl.int32))
+                if P_SR:
+                    p = _sr(p, r0.to(tl.int32, bitcast=True))
+                if S_SR:
+                    m = _sr(m, r1.to(tl.int32, bitcast=True))
+                    v = _sr(v, r2.to(tl.int32, bitcast=True))
+            tl.store(p_ptr + offs, p.to(P_DT), mask=mask)
+            tl.store(m_ptr + offs, m.to(S_DT), mask=mask)
+            tl.store(v_ptr + offs, v.to(S_DT), mask=mask)
+            if HAS_OUT:
+                tl.store(o_ptr + offs, p.to(O_DT), mask=mask)
+
+    return _lowp_adamw_multi_kernel
