@@ -25,6 +25,21 @@ def tiny_inputs(tmp_path_factory) -> dict[str, str]:
     return {"data": str(root / "data"), "processor": str(root / "processor")}
 
 
+@pytest.fixture
+def finished_run(tiny_inputs, tmp_path, capsys) -> tuple[Path, Path, str]:
+    """A tiny 2-step run trained to the end in ``tmp_path / "out"``: (that folder, the run's
+    config file, the folder's digest), for tests that start runs on it and check it is intact."""
+    from e2e_helpers import tiny_config, tree_digest, write_config
+
+    from lmms_train.cli import main
+
+    out = tmp_path / "out"
+    path = write_config(tiny_config(tiny_inputs, out, max_steps=2), tmp_path / "c.yaml")
+    assert main([str(path)]) == 0
+    capsys.readouterr()
+    return out, path, tree_digest(out)
+
+
 @pytest.fixture(scope="session")
 def llada_inputs(tmp_path_factory) -> dict:
     """A LLaDA-layout folder written by hand (the release's config keys and parameter names),

@@ -236,12 +236,8 @@ def test_bad_record_raised_in_a_worker_process_is_one_line(cfg_path, capsys):
     )  # fmt: skip
 
 
-def test_nothing_written_is_touched_by_a_failed_start(tiny_inputs, tmp_path, capsys):
-    out = tmp_path / "out"
-    path = write_config(tiny_config(tiny_inputs, out, max_steps=2), tmp_path / "c.yaml")
-    assert main([str(path)]) == 0
-    capsys.readouterr()
-    before = tree_digest(out)
+def test_nothing_written_is_touched_by_a_failed_start(finished_run, capsys):
+    out, path, before = finished_run
     for args, needle in (
         (["trainer_args.resume_from=nope"], "resume_from: 'nope' does not exist"),
         (["trainer_args.learning_rate=nan"], "learning_rate must be a finite number"),

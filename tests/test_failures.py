@@ -111,12 +111,8 @@ def test_unwritable_checkpoints_folder_during_a_save(tmp_path, monkeypatch, err,
     assert tree_digest(first) == before
 
 
-def test_resume_targets_and_model_shape(tiny_inputs, tmp_path, capsys):
-    out = tmp_path / "out"
-    path = write_config(tiny_config(tiny_inputs, out, max_steps=2), tmp_path / "c.yaml")
-    assert main([str(path)]) == 0
-    capsys.readouterr()
-    before = tree_digest(out)
+def test_resume_targets_and_model_shape(finished_run, tmp_path, capsys):
+    out, path, before = finished_run
     (tmp_path / "not_a_ckpt").mkdir()
     (tmp_path / "a_file").write_text("x")
     ckpt = out / "checkpoints" / "step_000002"
