@@ -51,6 +51,20 @@ def batch_ids(batch: dict) -> list[int]:
     return [int(ids[a]) for a in cu[:-1]]
 
 
+def ids_over_ranks(cfg, world: int, num_workers: int) -> list[int]:
+    """Record ids of every batch of ``world`` ranks' loaders of ``cfg`` (``id_processor``
+    samples), rank after rank."""
+    from lmms_data import build_dataloader
+
+    ids = []
+    for rank in range(world):
+        loader = build_dataloader(
+            cfg, id_processor, dp_rank=rank, dp_world=world, num_workers=num_workers
+        )
+        ids += [i for batch in loader for i in batch_ids(batch)]
+    return ids
+
+
 def random_png(h: int, w: int, seed: int = 0) -> bytes:
     """A PNG of h x w random RGB pixels."""
     from PIL import Image

@@ -12,7 +12,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
-from lmms_data_testutil import batch_ids, id_processor, id_record
+from lmms_data_testutil import batch_ids, id_processor, id_record, ids_over_ranks
 from PIL import Image
 
 from lmms_data import DatasetConfig, build_dataloader, build_processor, discover_units, iter_unit
@@ -92,11 +92,7 @@ def test_json_array_loader_resume_is_exact(tmp_path):
     assert first + second == ref
     # two ranks cover the array exactly once in one epoch
     cfg1 = DatasetConfig(dataset_path=str(path), packing_length=24, num_epochs=1, shuffle_buffer=8)
-    ids = []
-    for rank in range(2):
-        loader = build_dataloader(cfg1, id_processor, dp_rank=rank, dp_world=2, num_workers=0)
-        ids += [i for x in loader for i in batch_ids(x)]
-    assert sorted(ids) == list(range(300))
+    assert sorted(ids_over_ranks(cfg1, 2, num_workers=0)) == list(range(300))
 
 
 def test_broken_array_is_one_bad_record_then_stops(tmp_path):

@@ -49,6 +49,12 @@ def _upstream_positions(info, sample, use_audio_in_video):
         vision_end_token_id=info["vision_end_token_id"],
     )  # fmt: skip
     model = Qwen2_5OmniThinkerForConditionalGeneration(cfg)
+    return _rope_index(model, sample, use_audio_in_video)[:, 0].numpy()
+
+
+def _rope_index(model, sample, use_audio_in_video) -> torch.Tensor:
+    """Upstream's ``get_rope_index`` of a thinker ``model`` on one processed ``sample``:
+    positions ``[3, 1, L]``."""
     ids = torch.as_tensor(sample["input_ids"])[None]
     g = lambda k: torch.as_tensor(sample[k]) if k in sample else None  # noqa: E731
     rope_index = (
@@ -58,7 +64,7 @@ def _upstream_positions(info, sample, use_audio_in_video):
         ids, g("image_grid_thw"), g("video_grid_thw"), torch.ones_like(ids), use_audio_in_video,
         g("audio_feature_lens"), g("second_per_grid_ts"),
     )  # fmt: skip
-    return pos[:, 0].numpy()
+    return pos
 
 
 @pytest.mark.parametrize("use_audio_in_video", [True, False])
@@ -169,15 +175,8 @@ def test_qwen3_omni_moe_positions_and_tokens_equal_upstream(
         vision_end_token_id=info["vision_end_token_id"], position_id_per_seconds=pps,
     )  # fmt: skip
     model = Qwen3OmniMoeThinkerForConditionalGeneration(cfg)
+    pos = _rope_index(model, s, use_audio_in_video)
     ids = torch.as_tensor(s["input_ids"])[None]
-    g = lambda k: torch.as_tensor(s[k]) if k in s else None  # noqa: E731
-    rope_index = (
-        getattr(model.model, "get_rope_index", None) or model.get_rope_index
-    )  # 5.17: thinker
-    pos, _ = rope_index(
-        ids, g("image_grid_thw"), g("video_grid_thw"), torch.ones_like(ids), use_audio_in_video,
-        lens, g("second_per_grid_ts"),
-    )  # fmt: skip
     assert s["position_ids"].dtype == np.float32 and pos.dtype == torch.float32
     np.testing.assert_array_equal(s["position_ids"][1:], pos[:, 0].numpy())  # bit for bit
     np.testing.assert_array_equal(s["position_ids"][0], np.arange(len(ids[0])))

@@ -8,7 +8,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from lmms_data_testutil import batch_ids, id_processor, write_id_jsonl, write_id_parquet
+from lmms_data_testutil import (
+    batch_ids,
+    id_processor,
+    ids_over_ranks,
+    write_id_jsonl,
+    write_id_parquet,
+)
 
 from lmms_data import DatasetConfig, SlotStream, build_dataloader
 from lmms_data._loader import discover
@@ -35,11 +41,7 @@ def test_2x2_slots_disjoint_and_complete(ds):
     assert sorted(allids) == list(range(200)), "every record exactly once over 2 ranks x 2 workers"
     assert all(len(p) > 20 for p in per)
     # ... also through the real multi-worker loader, per rank
-    got = []
-    for rank in range(2):
-        loader = build_dataloader(cfg, id_processor, dp_rank=rank, dp_world=2, num_workers=2)
-        got += [i for b in loader for i in batch_ids(b)]
-    assert sorted(got) == list(range(200))
+    assert sorted(ids_over_ranks(cfg, 2, num_workers=2)) == list(range(200))
 
 
 def test_epochs_reshuffle_and_infinite(ds):
