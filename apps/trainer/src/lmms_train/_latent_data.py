@@ -1,36 +1,27 @@
-"""Data set-up for diffusion transformers (families whose spec says ``latent_batches``).
+"""Latent batches: the data plan `lmms_models.LatentBatches` (diffusion transformers).
 
 Instead of packed token rows they read *latent batches* (``lmms_data.build_latent_loader``):
 images/clips or precomputed latents, one bucket shape per batch, with per-record noise seeds. The
 loader's options sit in ``dataset_config.extra`` (``batch_size``, ``image_buckets``,
 ``frame_buckets``, ``max_aspect_error``, ``video_fps``, ``text_max_length``); captions are
 tokenised with the tokenizer folder ``dataset_config.processor_path`` / ``model_config.
-processor_path`` (Wan: its umT5 tokenizer).
+processor_path`` (Wan: its umT5 tokenizer). The plan gives ``tokens_fn`` (transformer tokens of a
+sample: FLOPs, throughput) and ``num_classes`` (labels out of range are bad records).
 """
 
 from __future__ import annotations
 
-import itertools
-import json
+import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
-from lmms_train._data_setup import TrainData, _exists, _processor_path, data_config
-from lmms_train._dist import DistEnv
+from lmms_train._data_report import DataReport
+from lmms_train._data_source import DataSource, processor_path
 from lmms_train._errors import ConfigError, UserError
 from lmms_train.config import TrainConfig
 
-__all__ = ["build_latent_data", "generate_latent_demo", "model_config_for_data"]
-
-
-def generate_latent_demo(g: Any, out: str, kind: str) -> None:
-    """Synthetic ``shapes`` (image + class label) or ``clips`` (moving shape + caption)."""
-    from lmms_data import generate_synthetic_clips, generate_synthetic_shapes
-
-    if kind == "shapes":
-        generate_synthetic_shapes(out, g.num_samples, seed=g.seed, image_size=g.image_size)
-    else:
-        generate_synthetic_clips(out, g.num_samples, seed=g.seed, size=g.image_size)
+__all__ = ["LatentSource", "model_config_for_data", "tokenizer_for_data"]
 
 
 def model_config_for_data(cfg: TrainConfig, spec: Any) -> dict[str, Any]:
@@ -43,8 +34,9 @@ def model_config_for_data(cfg: TrainConfig, spec: Any) -> dict[str, Any]:
     return spec.pretrained_config(m.load_from_pretrained_path)
 
 
-def _tokenizer(cfg: TrainConfig) -> Any:
-    path = _processor_path(cfg)
+def tokenizer_for_data(cfg: TrainConfig) -> Any:
+    """The captions' tokenizer (the run's processor folder), or None where there is none."""
+    path = processor_path(cfg)
     if not path or not Path(path).exists():
         return None
     from transformers import AutoTokenizer
@@ -55,36 +47,77 @@ def _tokenizer(cfg: TrainConfig) -> Any:
         raise UserError(f"could not load the tokenizer from {path!r}: {exc}") from exc
 
 
-def build_latent_data(cfg: TrainConfig, env: DistEnv, spec: Any) -> tuple[TrainData, Any]:
-    """This rank's latent-batch stream (resumable) and a callable giving validation batches."""
-    from lmms_data import build_latent_loader
+class LatentSource(DataSource):
+    """`LatentBatches`: this rank's resumable latent loader (validation: the same, unshuffled)."""
 
-    d, t = cfg.dataset_config, cfg.trainer_args
-    if not _exists(d.dataset_path):
-        raise UserError(f"dataset_config.dataset_path: {d.dataset_path!r} does not exist")
-    model_conf = model_config_for_data(cfg, spec)
-    tokens_fn = spec.tokens_fn(model_conf)
-    num_classes = spec.num_classes(model_conf)  # labels out of range are bad records
-    tokenizer = _tokenizer(cfg)
+    def __init__(self, cfg: Any, spec: Any, plan: Any, env: Any) -> None:
+        super().__init__(cfg, spec, plan, env)
+        self.tokenizer = tokenizer_for_data(cfg)
 
-    def loader(dcfg: Any) -> Any:
+    def loader(self, dcfg: Any, *, limit: int | None = None) -> Any:
+        """The loader of `dcfg` (`limit`: read at most that many records, for check-data)."""
+        from lmms_data import LatentLoader
+
+        cls = LatentLoader if limit is None else _head(LatentLoader, limit)
         try:
-            return build_latent_loader(dcfg, dp_rank=env.dp_rank, dp_world=env.dp_size,
-                                       tokens_fn=tokens_fn, tokenizer=tokenizer,
-                                       num_classes=num_classes)  # fmt: skip
+            return cls(dcfg, dp_rank=self.env.dp_rank, dp_world=self.env.dp_size,
+                       tokens_fn=self.plan.tokens_fn, tokenizer=self.tokenizer,
+                       num_classes=self.plan.num_classes)  # fmt: skip
         except ValueError as exc:
             raise ConfigError(f"dataset_config: {exc}") from exc
 
-    train = loader(data_config(cfg, spec))
-    eval_data = None
-    if d.eval_dataset_path is not None and t.eval_steps > 0:
-        ecfg = data_config(cfg, spec, dataset_path=d.eval_dataset_path, shuffle=False)
+    def check(self, num_records: int) -> DataReport:
+        """Read the first `num_records` records (no shuffle, one per batch) into their buckets."""
+        dcfg = self.dataset_config()
+        self.check_inputs(dcfg)
+        batch_size = int(dcfg.extra.get("batch_size", 8))
+        one = dataclasses.replace(dcfg, shuffle=False, num_epochs=1, bad_record_policy="skip",
+                                  max_bad_record_ratio=1.0, extra={**dcfg.extra, "batch_size": 1})  # fmt: skip
+        loader = self.loader(one, limit=num_records)
+        what = f"latent batches; tokenizer {processor_path(self.cfg)}" if self.tokenizer else ""
+        report = DataReport(paths=list(dcfg.paths), processor=what or "latent batches",
+                            packing=False, batch_size=batch_size, total_records=len(loader.records),
+                            accum=self.cfg.trainer_args.gradient_accumulation_steps)  # fmt: skip
+        t0 = time.perf_counter()
+        for batch in loader:
+            self._count(batch, report)
+        report.seconds = time.perf_counter() - t0
+        report.seen = loader.stats.seen
+        report.bad = dict(loader.stats.bad)
+        for ex in loader.stats.examples:
+            reason, _, rest = ex.partition(": ")
+            report.examples.setdefault(reason, rest)
+        return report
 
-        def eval_data() -> list[dict[str, Any]]:
-            return list(itertools.islice(iter(TrainData(loader(ecfg))), t.eval_batches))
+    def _count(self, batch: dict[str, Any], report: DataReport) -> None:
+        """One record (a batch of one): its transformer tokens (all trained), bucket and media."""
+        key = "latents" if "latents" in batch else "pixel_values"
+        shape = tuple(batch[key].shape[1:])
+        tokens = int(batch["max_seqlen"])
+        report.lengths.append(tokens)
+        report.supervised.append(tokens)
+        report.media_tokens.append(tokens)
+        report.shapes[f"{key} {'x'.join(map(str, shape))}"] += 1
+        if key == "pixel_values":
+            report.media["video" if len(shape) == 4 else "image"] += 1
+        if report.sample:
+            return
+        what = [f"{key} {list(shape)}"]
+        if "class_labels" in batch:
+            what.append(f"class {int(batch['class_labels'][0])}")
+        if "input_ids" in batch and self.tokenizer is not None:
+            ids = batch["input_ids"][0][batch["attention_mask"][0].bool()]
+            what.append(f"caption [[{self.tokenizer.decode(ids.tolist())}]]")
+        if "text_embeds" in batch:
+            what.append(f"text_embeds {list(batch['text_embeds'].shape[1:])}")
+        report.sample = ", ".join(what)
 
-    return TrainData(train), eval_data
 
+def _head(base: type, limit: int) -> type:
+    """`LatentLoader` reading at most `limit` records (good or bad)."""
 
-def read_json(path: str | Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
+    class Head(base):
+        def _next_index(self) -> int | None:
+            return None if self.stats.seen >= limit else super()._next_index()
+
+    return Head

@@ -59,7 +59,7 @@ def precompute(cfg: Any, out: str, *, rows_per_shard: int = 512) -> tuple[int, i
     from lmms_data._latent import npy_bytes
     from lmms_models import GeneratesLatents
     from lmms_train._data_setup import data_config
-    from lmms_train._latent_data import _tokenizer, model_config_for_data
+    from lmms_train._latent_data import model_config_for_data, tokenizer_for_data
     from lmms_train._model_setup import resolve_spec
 
     spec = resolve_spec(cfg)
@@ -70,7 +70,7 @@ def precompute(cfg: Any, out: str, *, rows_per_shard: int = 512) -> tuple[int, i
     device = "cuda" if torch.cuda.is_available() else "cpu"
     extra = dict(cfg.dataset_config.extra, batch_size=1)  # every record, in order
     dcfg = data_config(cfg, spec, shuffle=False, num_epochs=1, extra=extra)
-    loader = build_latent_loader(dcfg, tokenizer=_tokenizer(cfg))
+    loader = build_latent_loader(dcfg, tokenizer=tokenizer_for_data(cfg))
     Path(out).mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     n = shards = 0
