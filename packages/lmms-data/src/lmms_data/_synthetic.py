@@ -69,12 +69,53 @@ def synthetic_records(n: int, *, seed: int = 0, image_size: int = 64):
         yield q, a, buf.getvalue()
 
 
-def _messages(q: str, a: str, image: object) -> list[dict]:
-    img_part = {"type": "image"} if image is None else {"type": "image", "image": image}
+#: per media kind: the parquet column, the jsonl media folder and the files' extension
+_MEDIA = {"image": ("images", "images", "png"), "audio": ("audios", "audio", "wav")}
+
+
+def _messages(q: str, a: str, kind: str, media: object) -> list[dict]:
+    part = {"type": kind} if media is None else {"type": kind, kind: media}
     return [
-        {"role": "user", "content": [img_part, {"type": "text", "text": q}]},
+        {"role": "user", "content": [part, {"type": "text", "text": q}]},
         {"role": "assistant", "content": [{"type": "text", "text": a}]},
     ]
+
+
+def write_shards(
+    out_dir: str, recs: list, kind: str, format: str, num_shards: int, rows_per_group: int
+) -> list[str]:
+    """``(question, answer, media bytes)`` records of one media ``kind`` ("image", "audio") as
+    ``num_shards`` shards of ``out_dir``; returns their paths. ``parquet``: columns ``messages``
+    (JSON string) and the media column (a list of bytes per row), row groups of
+    ``rows_per_group``. ``jsonl``: one line per record, the media as files under a folder of
+    ``out_dir`` referenced by relative path (set ``data_folder`` to ``out_dir``)."""
+    if format not in ("parquet", "jsonl"):
+        raise ValueError(f"format must be 'parquet' or 'jsonl', got {format!r}")
+    column, folder, ext = _MEDIA[kind]
+    bounds = np.linspace(0, len(recs), num_shards + 1).astype(int)
+    paths = []
+    for s in range(num_shards):
+        part = recs[bounds[s] : bounds[s + 1]]
+        path = os.path.join(out_dir, f"shard-{s:05d}.{format}")
+        if format == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            table = pa.table({
+                "messages": [json.dumps(_messages(q, a, kind, None)) for q, a, _ in part],
+                column: pa.array([[b] for _, _, b in part], type=pa.list_(pa.binary())),
+            })  # fmt: skip
+            pq.write_table(table, path, row_group_size=rows_per_group)
+        else:
+            os.makedirs(os.path.join(out_dir, folder), exist_ok=True)
+            with open(path, "w") as f:
+                for i, (q, a, b) in enumerate(part, start=int(bounds[s])):
+                    rel = f"{folder}/{i:07d}.{ext}"
+                    with open(os.path.join(out_dir, rel), "wb") as g:
+                        g.write(b)
+                    f.write(json.dumps({"messages": _messages(q, a, kind, rel)}) + "\n")
+        paths.append(path)
+    return paths
 
 
 def generate_synthetic_vl(
@@ -87,44 +128,11 @@ def generate_synthetic_vl(
     num_shards: int = 1,
     rows_per_group: int = 64,
 ) -> list[str]:
-    """Write ``n`` records to ``out_dir`` and return the shard paths.
-
-    ``parquet``: columns ``messages`` (JSON string) and ``images`` (list of PNG bytes), row groups
-    of ``rows_per_group``. ``jsonl``: one line per record, images as PNG files under
-    ``out_dir/images`` referenced by relative path (set ``data_folder`` to ``out_dir``).
-    """
+    """Write ``n`` coloured-shape records to ``out_dir`` and return the shard paths (images as
+    PNG; the layout: :func:`write_shards`)."""
     os.makedirs(out_dir, exist_ok=True)
     recs = list(synthetic_records(n, seed=seed, image_size=image_size))
-    bounds = np.linspace(0, n, num_shards + 1).astype(int)
-    paths = []
-    if format == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        for s in range(num_shards):
-            part = recs[bounds[s] : bounds[s + 1]]
-            table = pa.table({
-                "messages": [json.dumps(_messages(q, a, None)) for q, a, _ in part],
-                "images": pa.array([[b] for _, _, b in part], type=pa.list_(pa.binary())),
-            })  # fmt: skip
-            path = os.path.join(out_dir, f"shard-{s:05d}.parquet")
-            pq.write_table(table, path, row_group_size=rows_per_group)
-            paths.append(path)
-    elif format == "jsonl":
-        os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
-        for s in range(num_shards):
-            path = os.path.join(out_dir, f"shard-{s:05d}.jsonl")
-            with open(path, "w") as f:
-                for i in range(bounds[s], bounds[s + 1]):
-                    q, a, b = recs[i]
-                    rel = f"images/{i:07d}.png"
-                    with open(os.path.join(out_dir, rel), "wb") as g:
-                        g.write(b)
-                    f.write(json.dumps({"messages": _messages(q, a, rel)}) + "\n")
-            paths.append(path)
-    else:
-        raise ValueError(f"format must be 'parquet' or 'jsonl', got {format!r}")
-    return paths
+    return write_shards(out_dir, recs, "image", format, num_shards, rows_per_group)
 
 
 WORDS = ("red", "green", "blue", "yellow", "circle", "square", "star", "one", "two", "three")

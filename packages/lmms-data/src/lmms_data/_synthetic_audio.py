@@ -9,10 +9,11 @@ templated answer. Pitch tells the digit, so the answer is learnable only through
 from __future__ import annotations
 
 import io
-import json
 import os
 
 import numpy as np
+
+from lmms_data._synthetic import write_shards
 
 __all__ = [
     "DIGIT_HZ",
@@ -64,14 +65,6 @@ def audio_records(n: int, *, seed: int = 0):
         yield q, a, buf.getvalue()
 
 
-def _messages(q: str, a: str, audio: object) -> list[dict]:
-    part = {"type": "audio"} if audio is None else {"type": "audio", "audio": audio}
-    return [
-        {"role": "user", "content": [part, {"type": "text", "text": q}]},
-        {"role": "assistant", "content": [{"type": "text", "text": a}]},
-    ]
-
-
 def generate_synthetic_audio(
     out_dir: str, n: int, format: str = "parquet", seed: int = 0, *, num_shards: int = 1,
     rows_per_group: int = 64,
@@ -91,30 +84,7 @@ def generate_synthetic_audio(
         raise ValueError(f"format must be 'parquet' or 'jsonl', got {format!r}")
     os.makedirs(out_dir, exist_ok=True)
     recs = list(audio_records(n, seed=seed))
-    bounds = np.linspace(0, n, num_shards + 1).astype(int)
-    paths = []
-    for s in range(num_shards):
-        part = recs[bounds[s] : bounds[s + 1]]
-        path = os.path.join(out_dir, f"shard-{s:05d}.{format}")
-        if format == "parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            table = pa.table({
-                "messages": [json.dumps(_messages(q, a, None)) for q, a, _ in part],
-                "audios": pa.array([[b] for _, _, b in part], type=pa.list_(pa.binary())),
-            })  # fmt: skip
-            pq.write_table(table, path, row_group_size=rows_per_group)
-        else:
-            os.makedirs(os.path.join(out_dir, "audio"), exist_ok=True)
-            with open(path, "w") as f:
-                for i, (q, a, b) in enumerate(part, start=int(bounds[s])):
-                    rel = f"audio/{i:07d}.wav"
-                    with open(os.path.join(out_dir, rel), "wb") as g:
-                        g.write(b)
-                    f.write(json.dumps({"messages": _messages(q, a, rel)}) + "\n")
-        paths.append(path)
-    return paths
+    return write_shards(out_dir, recs, "audio", format, num_shards, rows_per_group)
 
 
 def generate_synthetic_omni(
