@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._build import BuildSpec
 from ._capabilities import GeneratesLatents
 from ._data_plan import LatentBatches
 from ._flops import attention_flops
-from ._spec import ModelSpec
 
 __all__ = [
     "DiffusionSpec",
@@ -69,7 +69,7 @@ def require_diffusers() -> Any:
     return diffusers
 
 
-class DiffusionSpec(ModelSpec, GeneratesLatents):
+class DiffusionSpec(BuildSpec, GeneratesLatents):
     """Base class of the diffusion-transformer families (``sit``, ``wan``).
 
     Frozen encoders are part of the model's config dict under ``encoder_classes``' keys (e.g.
@@ -124,6 +124,33 @@ class DiffusionSpec(ModelSpec, GeneratesLatents):
         pending = model.__dict__.setdefault(_PENDING, {})
         for name, source in encoders.items():
             pending[name] = functools.partial(self.build_encoder, name, source)
+
+    def build_module(
+        self, source: dict[str, Any] | str, device: torch.device, dtype: torch.dtype
+    ) -> nn.Module:
+        """The denoiser from a config dict (:meth:`new_denoiser`) or a local folder
+        (:meth:`pretrained_parts`; :meth:`load_denoiser`, on ``meta`` only its config is read),
+        its encoders attached lazily (:meth:`attach_encoders`)."""
+        if isinstance(source, str) and device.type != "meta":
+            folder, encoders = self.pretrained_parts(source)
+            model = self.load_denoiser(folder)  # CPU, float32
+            model = model.to(device) if dtype == torch.float32 else model.to(device, dtype)
+        else:
+            config = self.pretrained_config(source) if isinstance(source, str) else source
+            model = self.new_denoiser(config, device)
+            encoders = self.split_encoders(config)[1]
+            model = model if dtype == torch.float32 else model.to(dtype)
+        self.attach_encoders(model, encoders)
+        return model
+
+    def new_denoiser(self, config: dict[str, Any], device: torch.device) -> nn.Module:
+        """The denoiser of a config dict (encoder keys included), randomly initialised on
+        ``device`` in float32."""
+        raise NotImplementedError(f"{self.name}: no denoiser class")
+
+    def load_denoiser(self, folder: str) -> nn.Module:
+        """The denoiser of a local model folder, on the CPU in float32."""
+        raise NotImplementedError(f"{self.name}: no denoiser class")
 
     def pretrained_parts(self, path: str) -> tuple[str, dict[str, str]]:
         """``(transformer folder, {encoder: folder})`` of a local checkpoint: a diffusers

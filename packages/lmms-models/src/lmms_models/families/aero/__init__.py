@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._build import BuildSpec, build_hf_style
 from ..._registry import register_model
 from ...parts.audio_lm import AudioLMSpec
 from ._model import AeroConfig, AeroForConditionalGeneration
@@ -56,7 +57,7 @@ _TINY: dict[str, Any] = {
 
 
 @register_model("aero")
-class AeroSpec(AudioLMSpec):
+class AeroSpec(BuildSpec, AudioLMSpec):
     processor_family = "qwen2_audio"
     #: Liger (lmms_kernels.apply_liger): the Qwen2 decoder (the Whisper-style encoder: LayerNorm +
     #: GELU)
@@ -84,37 +85,15 @@ class AeroSpec(AudioLMSpec):
             cfg["audio_token_index"] = cfg.pop("audio_token_id")
         return AeroConfig(**cfg)
 
-    def build(
-        self,
-        *,
-        config: dict[str, Any] | None = None,
-        pretrained: str | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        attn_backend: str = "auto",
-        vision_attn_backend: str | None = None,
+    def build_module(
+        self, source: dict[str, Any] | str, device: torch.device, dtype: torch.dtype
     ) -> nn.Module:
         """From a config dict, or a local Aero-1-Audio folder (``config.json`` + safetensors in
         the public layout) through ``from_pretrained``; on meta only the config is read."""
-        if (config is None) == (pretrained is None):
-            raise ValueError("give exactly one of config= or pretrained=")
-        device = torch.device(device)
-        if pretrained is not None and device.type != "meta":
-            model = AeroForConditionalGeneration.from_pretrained(
-                pretrained, dtype=dtype, attn_implementation="sdpa", local_files_only=True
-            ).to(device)
-        else:
-            if pretrained is not None:
-                hf_config = AeroConfig.from_pretrained(pretrained, local_files_only=True)
-            else:
-                hf_config = self.make_config(config)  # type: ignore[arg-type]
-            for cfg in (hf_config, hf_config.audio_config, hf_config.text_config):
-                cfg._attn_implementation = "sdpa"
-            with torch.device(device):
-                model = AeroForConditionalGeneration(hf_config)
-            model = model.to(dtype)
-        self.set_attention(model, backend=attn_backend, vision_backend=vision_attn_backend)
-        return model
+        return build_hf_style(
+            self.make_config, AeroForConditionalGeneration, AeroConfig, source, device, dtype,
+            sdpa_configs=("audio_config", "text_config"),
+        )  # fmt: skip
 
     # the public layout: no `model.model`
     def base_model(self, model: nn.Module) -> nn.Module:

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..._build import BuildSpec
 from ..._capabilities import MixedGeneration, RenderRequest, Renders
 from ..._data_plan import ModelPackedRows
 from ..._registry import register_model
-from ..._spec import ModelSpec
 from ._mask import CAUSAL, FULL, NOISE, PackLayout, dense_mask, span_attention
 from ._model import Bagel, BagelConfig, LLMConfig, MoTDecoderLayer, SiglipEncoderLayer, ViTConfig
 from ._pack import batch_to, pack_samples, patchify, pixel_space_latents, unpatchify
@@ -70,7 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @register_model("bagel")
-class BagelSpec(ModelSpec, MixedGeneration, Renders):
+class BagelSpec(BuildSpec, MixedGeneration, Renders):
     """The engine's view of BAGEL. Not a transformers class: :meth:`build` makes a :class:`Bagel`."""
 
     processor_family = "bagel"
@@ -219,39 +219,24 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
 
         return dec
 
-    def build(
-        self,
-        *,
-        config: dict[str, Any] | None = None,
-        pretrained: str | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        attn_backend: str = "auto",
-        vision_attn_backend: str | None = None,
-        **_: Any,
+    def build_module(
+        self, source: dict[str, Any] | str, device: torch.device, dtype: torch.dtype
     ) -> nn.Module:
         """A :class:`Bagel` from a config dict, or a local folder (:meth:`pretrained_config`:
         an lmms export or the public release) with ``model.safetensors`` / ``ema.safetensors``
         (the public layout)."""
-        if (config is None) == (pretrained is None):
-            raise ValueError("give exactly one of config= or pretrained=")
-        if pretrained is not None:
-            config = self.pretrained_config(pretrained)
+        folder = source if isinstance(source, str) else None
+        config = self.pretrained_config(source) if isinstance(source, str) else source
         with torch.device(device):
-            model = Bagel(self.make_config(config))  # type: ignore[arg-type]
-        model.vit_model.attn_backend = vision_attn_backend or attn_backend
-        if pretrained is not None and torch.device(device).type != "meta":
+            model = Bagel(self.make_config(config))
+        if folder is not None and device.type != "meta":
             from safetensors.torch import load_file
 
-            model.load_state_dict(load_file(str(self.weights_file(pretrained))))
+            model.load_state_dict(load_file(str(self.weights_file(folder))))
         model = model.to(dtype)
-        vae = config.get("vae")  # type: ignore[union-attr]
-        if (
-            pretrained is not None
-            and vae is None
-            and (Path(pretrained) / "vae" / "config.json").is_file()
-        ):
-            vae = str(Path(pretrained) / "vae")
+        vae = config.get("vae")
+        if folder is not None and vae is None and (Path(folder) / "vae" / "config.json").is_file():
+            vae = str(Path(folder) / "vae")
         if vae is not None:
             self.attach_vae(model, vae)
         return model
@@ -338,8 +323,18 @@ class BagelSpec(ModelSpec, MixedGeneration, Renders):
 
         return render_images(self, model, request)
 
-    def set_attention(self, model: nn.Module, **_: Any) -> dict[str, str]:
-        return {}  # span attention is chosen per row (PackLayout.backend)
+    def set_attention(
+        self,
+        model: nn.Module,
+        *,
+        backend: str = "auto",
+        vision_backend: str | None = None,
+        **_: Any,
+    ) -> dict[str, str]:
+        """The ViT's varlen backend; the decoder's span attention is chosen per row
+        (``PackLayout.backend``)."""
+        model.vit_model.attn_backend = vision_backend or backend
+        return {}
 
     # ---------------------------------------------------------------- objective hooks
     def latent_tokens(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import _flops
+from ..._build import BuildSpec, build_hf_style
 from ..._linear_attention import fla_gdn_packed_mixer
 from ..._linear_spec import LinearAttentionMixin
 from ..._registry import register_model
-from ..._spec import ModelSpec
 
 __all__ = ["FlaGatedDeltaNetSpec", "FlaSpec", "fla_models"]
 
@@ -45,7 +45,7 @@ def fla_models() -> Any:
     return fla.models
 
 
-class FlaSpec(LinearAttentionMixin, ModelSpec):
+class FlaSpec(LinearAttentionMixin, BuildSpec):
     """A causal LM of ``fla.models``: ``model.model`` with ``embeddings``, ``layers`` (each with
     its token mixer as ``.attn``) and ``norm``; ``model.lm_head``."""
 
@@ -65,36 +65,16 @@ class FlaSpec(LinearAttentionMixin, ModelSpec):
             )
         return cls(**cfg)
 
-    def build(
-        self,
-        *,
-        config: dict[str, Any] | None = None,
-        pretrained: str | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        attn_backend: str = "auto",
-        vision_attn_backend: str | None = None,
+    def build_module(
+        self, source: dict[str, Any] | str, device: torch.device, dtype: torch.dtype
     ) -> nn.Module:
-        """As :meth:`ModelSpec.build`, with the classes of ``fla.models``."""
+        """With the classes of ``fla.models`` (no attention choice in their configs)."""
         from transformers import AutoConfig
 
-        if (config is None) == (pretrained is None):
-            raise ValueError("give exactly one of config= or pretrained=")
         model_cls = getattr(fla_models(), self.model_class)
-        device = torch.device(device)
-        if pretrained is not None and device.type != "meta":
-            model = model_cls.from_pretrained(pretrained, dtype=dtype, local_files_only=True)
-            model = model.to(device)
-        else:
-            if pretrained is not None:
-                hf_config = AutoConfig.from_pretrained(pretrained, local_files_only=True)
-            else:
-                hf_config = self.make_config(config)  # type: ignore[arg-type]
-            with torch.device(device):
-                model = model_cls(hf_config)
-            model = model.to(dtype)
-        self.set_attention(model, backend=attn_backend, vision_backend=vision_attn_backend)
-        return model
+        return build_hf_style(
+            self.make_config, model_cls, AutoConfig, source, device, dtype, sdpa_configs=None
+        )
 
     def set_attention(self, model: nn.Module, **kwargs: Any) -> dict[str, str]:
         """Packed mixers as for every linear family (:class:`LinearAttentionMixin`), and every

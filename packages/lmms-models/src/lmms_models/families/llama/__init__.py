@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from ... import _flops
+from ..._build import BuildSpec
 from ..._plans import QWEN2_TP_PLAN
 from ..._registry import register_model
-from ..._spec import ModelSpec
 from ...parts.text import prepared_empty_mask, tiny_text
 
 __all__ = ["LlamaSpec"]
@@ -50,7 +50,7 @@ LLADA_8B: dict[str, Any] = dict(
 
 
 @register_model("llama")
-class LlamaSpec(ModelSpec):
+class LlamaSpec(BuildSpec):
     tp_plan = QWEN2_TP_PLAN  # same module names (q/k/v/o, gate/up/down) as Qwen2
     processor_family = "qwen2"  # text chats; real runs pass the checkpoint's own tokenizer
     liger_plan = {"rms_norm": ("LlamaRMSNorm",), "mlp": ("LlamaMLP",)}  # noqa: RUF012
@@ -72,17 +72,10 @@ class LlamaSpec(ModelSpec):
         bias = bool(_flops._get(cfg, "attention_bias", False))
         return _flops.dense_lm_matmul_params(cfg, attention_bias=bias)
 
-    def build(
-        self,
-        *,
-        config: dict[str, Any] | None = None,
-        pretrained: str | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        attn_backend: str = "auto",
-        vision_attn_backend: str | None = None,
+    def build_module(
+        self, source: dict[str, Any] | str, device: torch.device, dtype: torch.dtype
     ) -> nn.Module:
-        """:meth:`ModelSpec.build`; a ``pretrained`` folder in LLaDA's layout is translated.
+        """:meth:`BuildSpec.build_module`; a folder in LLaDA's layout is translated.
 
         LLaDA folder: the config becomes a LLaMA config (``is_causal: false``, the mask token id)
         and the weights load under the upstream names (strict: every key must map and match).
@@ -91,27 +84,14 @@ class LlamaSpec(ModelSpec):
         """
         from ...layouts.llada import is_llada_folder, llada_config, read_llada_weights
 
-        if pretrained is None or not is_llada_folder(pretrained):
-            return super().build(
-                config=config,
-                pretrained=pretrained,
-                device=device,
-                dtype=dtype,
-                attn_backend=attn_backend,
-                vision_attn_backend=vision_attn_backend,
-            )
-        if config is not None:
-            raise ValueError("give exactly one of config= or pretrained=")
-        conf = llada_config(pretrained)
-        device = torch.device(device)
+        if not isinstance(source, str) or not is_llada_folder(source):
+            return super().build_module(source, device, dtype)
+        conf = llada_config(source)
         if device.type == "meta":
-            return super().build(
-                config=conf, device=device, dtype=dtype, attn_backend=attn_backend,
-                vision_attn_backend=vision_attn_backend,
-            )  # fmt: skip
+            return super().build_module(conf, device, dtype)
         import transformers
 
-        weights = read_llada_weights(pretrained)  # upstream names
+        weights = read_llada_weights(source)  # upstream names
         hf_config = self.make_config(conf)
         hf_config._attn_implementation = "sdpa"
         with torch.device("meta"):  # the expected keys, nothing allocated
@@ -121,13 +101,11 @@ class LlamaSpec(ModelSpec):
         if set(weights) != expected:
             missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
             raise ValueError(
-                f"{pretrained}: the LLaDA weights do not fit its config "
+                f"{source}: the LLaDA weights do not fit its config "
                 f"(missing {missing[:4]}, unexpected {extra[:4]})"
             )
         # from_pretrained with the renamed tensors: no random init of an 8B model first
         model = getattr(transformers, self.model_class).from_pretrained(
             None, config=hf_config, state_dict=weights, dtype=dtype
         )
-        model = model.to(device)
-        self.set_attention(model, backend=attn_backend, vision_backend=vision_attn_backend)
-        return model
+        return model.to(device)

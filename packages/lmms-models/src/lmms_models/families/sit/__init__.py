@@ -67,31 +67,14 @@ class SiTSpec(DiffusionSpec, Renders):
         """The label embedding's classes (one more row holds the null class of CFG)."""
         return self.make_config(config).num_classes
 
-    def build(
-        self,
-        *,
-        config: dict[str, Any] | None = None,
-        pretrained: str | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        **_: Any,
-    ) -> nn.Module:
-        """A :class:`SiT` from a config dict or a local folder (``config.json`` +
-        ``model.safetensors``, as written by the trainer's export)."""
-        if (config is None) == (pretrained is None):
-            raise ValueError("give exactly one of config= or pretrained=")
-        device = torch.device(device)
-        if pretrained is not None and device.type != "meta":
-            folder, encoders = self.pretrained_parts(pretrained)
-            model = SiT.from_pretrained(folder).to(device=device, dtype=dtype)
-            self.attach_encoders(model, encoders)
-            return model
-        if pretrained is not None:
-            config = self.pretrained_config(pretrained)
+    def new_denoiser(self, config: dict[str, Any], device: torch.device) -> nn.Module:
+        """A :class:`SiT` from a config dict."""
         with torch.device(device):
-            model = SiT(self.make_config(config))  # type: ignore[arg-type]
-        self.attach_encoders(model, self.split_encoders(config)[1])  # type: ignore[arg-type]
-        return model.to(dtype)
+            return SiT(self.make_config(config))
+
+    def load_denoiser(self, folder: str) -> nn.Module:
+        """A :class:`SiT` from ``config.json`` + ``model.safetensors`` (the trainer's export)."""
+        return SiT.from_pretrained(folder)
 
     def media_factors(self, config: dict[str, Any]) -> tuple[int, int, int | None]:
         vae = config.get("vae")

@@ -125,35 +125,21 @@ class WanSpec(DiffusionSpec, Renders):
             model = require_diffusers().WanTransformer3DModel(**conf)
         return model.config
 
-    def build(
-        self,
-        *,
-        config: dict[str, Any] | None = None,
-        pretrained: str | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        **_: Any,
-    ) -> nn.Module:
-        """``WanTransformer3DModel`` from a config dict or a local diffusers folder."""
+    def new_denoiser(self, config: dict[str, Any], device: torch.device) -> nn.Module:
+        """``WanTransformer3DModel`` from a config dict."""
         cls = require_diffusers().WanTransformer3DModel
-        if (config is None) == (pretrained is None):
-            raise ValueError("give exactly one of config= or pretrained=")
-        device = torch.device(device)
-        if pretrained is not None and device.type != "meta":
-            folder, encoders = self.pretrained_parts(pretrained)
-            model = self.build(config=self.pretrained_config(folder), device="cpu")
-            model.load_state_dict(_read_weights(folder), strict=True)
-            self.attach_encoders(model, encoders)
-            return model.to(device) if dtype == torch.float32 else model.to(device, dtype)
-        if pretrained is not None:
-            config = self.pretrained_config(pretrained)
         with torch.device(device):
-            model = cls(**self._transformer_config(config))  # type: ignore[arg-type]
+            model = cls(**self._transformer_config(config))
         if device.type == "meta":  # the RoPE tables (non-persistent buffers) stay real
             rope = model.rope
             model.rope = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len)
-        self.attach_encoders(model, self.split_encoders(config)[1])  # type: ignore[arg-type]
-        return model if dtype == torch.float32 else model.to(dtype)
+        return model
+
+    def load_denoiser(self, folder: str) -> nn.Module:
+        """``WanTransformer3DModel`` from a local diffusers folder (strict weights)."""
+        model = self.new_denoiser(self.pretrained_config(folder), torch.device("cpu"))
+        model.load_state_dict(_read_weights(folder), strict=True)
+        return model
 
     def _transformer_config(self, config: dict[str, Any]) -> dict[str, Any]:
         conf, _ = self.split_encoders(config)
