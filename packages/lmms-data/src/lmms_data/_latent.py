@@ -408,22 +408,14 @@ class LatentLoader:
         return out
 
 
-def build_latent_loader(
-    dataset_config: DatasetConfig | dict,
-    *,
-    dp_rank: int = 0,
-    dp_world: int = 1,
-    tokens_fn: Callable[[tuple[int, ...]], int] | None = None,
-    tokenizer: Any = None,
-    num_classes: int | None = None,
-) -> LatentLoader:
-    """Latent batches for ``dp_rank`` (see the module docstring); ``tokens_fn(shape)``: the
-    transformer tokens of one sample whose latents/pixels have ``shape`` (FLOPs, throughput);
-    ``num_classes``: class labels must lie in ``[0, num_classes)`` (else ``bad_label``)."""
+def build_latent_loader(dataset_config: DatasetConfig | dict, **options: Any) -> LatentLoader:
+    """Latent batches for one DP rank (see the module docstring); ``options``: those of
+    :class:`LatentLoader` (``dp_rank``, ``dp_world``; ``tokens_fn(shape)``: the transformer
+    tokens of one sample whose latents/pixels have ``shape`` (FLOPs, throughput); ``tokenizer``;
+    ``num_classes``: class labels must lie in ``[0, num_classes)`` (else ``bad_label``))."""
     cfg = (
         DatasetConfig.from_dict(dataset_config)
         if isinstance(dataset_config, dict)
         else dataset_config
     )
-    return LatentLoader(cfg, dp_rank=dp_rank, dp_world=dp_world, tokens_fn=tokens_fn,
-                        tokenizer=tokenizer, num_classes=num_classes)  # fmt: skip
+    return LatentLoader(cfg, **options)
