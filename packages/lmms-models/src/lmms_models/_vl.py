@@ -13,7 +13,7 @@ from torch import nn
 from ._attention import forward_pre_hook
 from ._spec import ModelSpec, to_device
 
-__all__ = ["TINY_TOKEN_IDS", "QwenVLSpec", "vision_utils"]
+__all__ = ["TINY_TOKEN_IDS", "QwenVLSpec", "tiny_qwen_vision", "vision_utils"]
 
 #: Special token ids of the tiny presets (inside the tiny vocab of 1024). Override them with
 #: ``tiny_config(image_token_id=..., ...)`` to match a locally trained tokenizer.
@@ -23,6 +23,23 @@ TINY_TOKEN_IDS = {
     "vision_start_token_id": 1002,
     "vision_end_token_id": 1003,
 }
+
+
+def tiny_qwen_vision(**overrides: Any) -> dict[str, Any]:
+    """The tiny Qwen ViT shape the tiny VL presets share: 32 wide, 2 heads, 4 px patches of 2
+    frames, 2x2 patches merged into one token of the tiny decoder's width (64)."""
+    return {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": 4,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+        **overrides,
+    }
 
 
 def merge_tiny(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,8 @@ import torch
 
 from .. import _flops
 from .._plans import QWEN2_TP_PLAN, QWEN2_TP_SP_PLAN
-from .._vl import TINY_TOKEN_IDS, QwenVLSpec, vision_utils
+from .._vl import TINY_TOKEN_IDS, QwenVLSpec, tiny_qwen_vision, vision_utils
+from .text import TINY_TEXT_IDS, tiny_text
 
 __all__ = [
     "QWEN2_5_VL_3B",
@@ -64,37 +65,15 @@ QWEN2_5_VL_3B: dict[str, Any] = {
 }
 
 QWEN2_5_VL_TINY: dict[str, Any] = {
-    "text_config": {
-        "vocab_size": 1024,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [4, 2, 2],
-        },
-        "tie_word_embeddings": False,
-        "use_cache": False,
-        "bos_token_id": 1004,
-        "eos_token_id": 1005,
-    },
-    "vision_config": {
-        "depth": 3,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-        "patch_size": 4,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "window_size": 16,  # 2x2 merged tokens per window: real windowing at tiny sizes
-        "fullatt_block_indexes": [1],
-        "in_channels": 3,
-    },
+    "text_config": tiny_text(
+        rms_norm_eps=1e-5,  # Qwen2.5-VL's text config default
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+        **TINY_TEXT_IDS,
+    ),
+    "vision_config": tiny_qwen_vision(
+        window_size=16,  # 2x2 merged tokens per window: real windowing at tiny sizes
+        fullatt_block_indexes=[1],
+    ),
     **TINY_TOKEN_IDS,
     "tie_word_embeddings": False,
 }

@@ -27,8 +27,9 @@ from .. import _flops
 from .._attention import forward_pre_hook
 from .._linear_attention import qwen3_5_packed_mixer, upstream_mixer_on_torch
 from .._linear_spec import LinearAttentionMixin
-from .._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny
+from .._vl import TINY_TOKEN_IDS, QwenVLSpec, merge_tiny, tiny_qwen_vision
 from .qwen3_vision import Qwen3VisionPart
+from .text import TINY_TEXT_IDS, tiny_text
 
 __all__ = [
     "QWEN3_5_TEXT_COMMON",
@@ -39,45 +40,26 @@ __all__ = [
     "tiny_qwen3_5",
 ]
 
-_TINY_TEXT: dict[str, Any] = {
-    "vocab_size": 1024,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 3,
-    "layer_types": ["linear_attention", "full_attention", "linear_attention"],
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "max_position_embeddings": 4096,
-    "rope_parameters": {
+_TINY_TEXT: dict[str, Any] = tiny_text(
+    num_hidden_layers=3,
+    layer_types=["linear_attention", "full_attention", "linear_attention"],
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    rope_parameters={
         "rope_type": "default",
         "rope_theta": 10000.0,
         "partial_rotary_factor": 0.5,
         "mrope_section": [2, 1, 1],
         "mrope_interleaved": True,
     },
-    "use_cache": False,
-    "bos_token_id": 1004,
-    "eos_token_id": 1005,
-}
+    **TINY_TEXT_IDS,
+)
 
-_TINY_VISION: dict[str, Any] = {
-    "depth": 2,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_heads": 2,
-    "out_hidden_size": 64,
-    "patch_size": 4,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "num_position_embeddings": 16,
-    "in_channels": 3,
-}
+_TINY_VISION: dict[str, Any] = tiny_qwen_vision(depth=2, num_position_embeddings=16)
 
 
 def tiny_qwen3_5(text: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from .. import _flops
 from .._attention import forward_pre_hook
 from .._plans import QWEN3_TP_PLAN, QWEN3_VL_TP_SP_PLAN
 from .._spec import to_device
-from .._vl import TINY_TOKEN_IDS, QwenVLSpec, vision_utils
+from .._vl import TINY_TOKEN_IDS, QwenVLSpec, tiny_qwen_vision, vision_utils
+from .text import TINY_TEXT_IDS, tiny_text
 
 __all__ = [
     "DEEPSTACK_KEY",
@@ -34,40 +35,23 @@ __all__ = [
     "deepstack_by_index",
 ]
 
+_TINY_TEXT = tiny_text(
+    num_hidden_layers=3,
+    head_dim=16,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [4, 2, 2],
+        "mrope_interleaved": True,
+    },
+    attention_bias=False,
+    **TINY_TEXT_IDS,
+)
+del _TINY_TEXT["tie_word_embeddings"]  # the text configs' own default (True in the MoE one)
+
 QWEN3_VL_TINY: dict[str, Any] = {
-    "text_config": {
-        "vocab_size": 1024,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 4096,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [4, 2, 2],
-            "mrope_interleaved": True,
-        },
-        "attention_bias": False,
-        "use_cache": False,
-        "bos_token_id": 1004,
-        "eos_token_id": 1005,
-    },
-    "vision_config": {
-        "depth": 3,
-        "hidden_size": 32,
-        "intermediate_size": 48,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-        "patch_size": 4,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [0, 1],
-        "in_channels": 3,
-    },
+    "text_config": _TINY_TEXT,
+    "vision_config": tiny_qwen_vision(num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
     **TINY_TOKEN_IDS,
     "tie_word_embeddings": False,
 }

@@ -16,7 +16,16 @@ from .._attention import forward_pre_hook
 from .._plans import QWEN2_TP_PLAN, QWEN2_TP_SP_PLAN
 from .._spec import ModelSpec
 
-__all__ = ["PREPARED_MASK_SHAPE", "Qwen2DecoderPart", "prepared_empty_mask", "tiny_text"]
+__all__ = [
+    "PREPARED_MASK_SHAPE",
+    "TINY_TEXT_IDS",
+    "Qwen2DecoderPart",
+    "prepared_empty_mask",
+    "tiny_text",
+]
+
+#: BOS/EOS of the tiny presets' text configs (inside the tiny vocab of 1024).
+TINY_TEXT_IDS = {"bos_token_id": 1004, "eos_token_id": 1005}
 
 
 def tiny_text(**overrides: Any) -> dict[str, Any]:

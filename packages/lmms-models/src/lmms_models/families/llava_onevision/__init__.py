@@ -33,6 +33,7 @@ from ... import _flops
 from ..._registry import register_model
 from ..._spec import ModelSpec, to_device
 from ..._vl import merge_tiny
+from ...parts.text import TINY_TEXT_IDS, tiny_text
 
 __all__ = ["LLAVA_ONEVISION_0_5B", "LLAVA_ONEVISION_7B", "LlavaOnevisionSpec"]
 
@@ -87,21 +88,7 @@ LLAVA_ONEVISION_7B = _preset(
 #: Tiny: 32 px tiles of 8 px patches (16 patches, 4 pooled per video frame), pinpoints up to 3x3
 #: tiles, token ids inside the vocab of 1024 (override them to match a local tokenizer).
 _TINY: dict[str, Any] = {
-    "text_config": {
-        "model_type": "qwen2",
-        "vocab_size": 1024,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "use_cache": False,
-        "bos_token_id": 1004,
-        "eos_token_id": 1005,
-    },
+    "text_config": tiny_text(model_type="qwen2", **TINY_TEXT_IDS),
     "vision_config": {
         "model_type": "siglip_vision_model",
         "hidden_size": 32,

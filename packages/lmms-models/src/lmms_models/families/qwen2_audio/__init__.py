@@ -12,6 +12,7 @@ from typing import Any
 
 from ..._registry import register_model
 from ...parts.audio_lm import AudioLMSpec
+from ...parts.text import TINY_TEXT_IDS, tiny_text
 
 __all__ = ["QWEN2_AUDIO_7B", "AudioLMSpec", "Qwen2AudioSpec"]
 
@@ -50,21 +51,11 @@ _TINY: dict[str, Any] = {
         "num_mel_bins": 128,
         "max_source_positions": 1500,
     },
-    "text_config": {
-        "model_type": "qwen2",
-        "vocab_size": 1024,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "tie_word_embeddings": False,
-        "use_cache": False,
-        "bos_token_id": 1004,
-        "eos_token_id": 1005,
-    },
+    "text_config": tiny_text(
+        model_type="qwen2",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **TINY_TEXT_IDS,
+    ),
     "audio_token_id": 1006,
 }
 
