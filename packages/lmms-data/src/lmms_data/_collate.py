@@ -16,13 +16,10 @@ MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_gr
 
 
 def collate_packed_batch(
-    samples: Sequence[Mapping[str, Any]],
-    *,
-    pad_to_multiple_of: int | None = None,
-    pad_token_id: int = 0,
-    as_torch: bool = True,
+    samples: Sequence[Mapping[str, Any]], *, as_torch: bool = True, **pack_options: Any
 ) -> dict[str, Any]:
-    """``lmms_pack.collate_packed`` plus the samples' media tensors concatenated in pack order,
+    """``lmms_pack.collate_packed`` (``pack_options``: its ``pad_to_multiple_of``,
+    ``pad_token_id``) plus the samples' media tensors concatenated in pack order,
     ``mm_token_type_ids [T]`` (when any sample has it; padding is 0) and ``vision_tokens`` (int).
 
     Returns CPU torch tensors (``as_torch=False``: numpy). See docs/contracts.md, "packed batch".
@@ -33,7 +30,7 @@ def collate_packed_batch(
         from lmms_data.processors._bagel import collate_parts
 
         return collate_parts(samples)
-    row: dict[str, Any] = collate_packed(samples, pad_to_multiple_of, pad_token_id)
+    row: dict[str, Any] = collate_packed(samples, **pack_options)
     T = row["input_ids"].shape[0]
     for key in MEDIA_KEYS:
         vals = [np.asarray(s[key]) for s in samples if s.get(key) is not None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lmms_pack._collate import IGNORE_INDEX, collate_packed
+from lmms_pack._collate import collate_packed
 
 try:
     import torch
@@ -18,18 +18,14 @@ except ImportError as e:  # pragma: no cover - exercised in the wheel test's tor
 __all__ = ["collate_packed_torch"]
 
 
-def collate_packed_torch(
-    samples: Sequence[Mapping[str, Any]],
-    pad_to_multiple_of: int | None = None,
-    pad_token_id: int = 0,
-    ignore_index: int = IGNORE_INDEX,
-) -> dict[str, Any]:
-    """:func:`lmms_pack.collate_packed` with CPU torch tensors (int64; ``cu_seqlens`` int32).
+def collate_packed_torch(samples: Sequence[Mapping[str, Any]], *args: Any, **kwargs: Any) -> dict:
+    """:func:`lmms_pack.collate_packed` (same arguments) with CPU torch tensors (int64;
+    ``cu_seqlens`` int32).
 
     Samples may hold numpy arrays, lists or CPU tensors. The tensors share memory with the
     freshly built numpy arrays (no copy); ints stay Python ints.
     """
-    row = collate_packed(samples, pad_to_multiple_of, pad_token_id, ignore_index)
+    row = collate_packed(samples, *args, **kwargs)
     return {
         k: torch.from_numpy(v) if hasattr(v, "__array_interface__") else v for k, v in row.items()
     }
