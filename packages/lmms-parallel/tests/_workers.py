@@ -181,12 +181,8 @@ def s_sp_qwen3(out: Path):
     return _sp_case("qwen3", dist.get_world_size(), "none")
 
 
-SCENARIOS_4 = [
-    ("fsdp_qwen3", s4_fsdp_qwen3_ckpt),
-    ("hsdp_vl", s4_hsdp_vl),
-    ("sp_vl", s_sp_vl),
-    ("sp_qwen3", s_sp_qwen3),
-]
+SP_SCENARIOS = [("sp_vl", s_sp_vl), ("sp_qwen3", s_sp_qwen3)]  # on 4 and on 2 ranks
+SCENARIOS_4 = [("fsdp_qwen3", s4_fsdp_qwen3_ckpt), ("hsdp_vl", s4_hsdp_vl), *SP_SCENARIOS]
 
 
 def run4(rank, world, out_dir):
@@ -378,8 +374,7 @@ SCENARIOS_2 = [
     ("export_qwen3", s2_export_qwen3),
     ("frozen_vision_bf16", s2_frozen_vision_bf16),
     ("vision_participation", s2_vision_participation),
-    ("sp_vl", s_sp_vl),
-    ("sp_qwen3", s_sp_qwen3),
+    *SP_SCENARIOS,
 ]
 
 
