@@ -17,6 +17,7 @@ own numbers without touching other sections.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -129,6 +130,20 @@ def environment() -> dict[str, str]:
     if torch is not None and torch.cuda.is_available():
         env["gpu"] = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
     return env
+
+
+def timing_parser(doc: str, *, iters: int, warmup: int) -> argparse.ArgumentParser:
+    """A timing benchmark's command line: ``doc`` as its help, ``--iters`` and ``--warmup``
+    (timed and untimed calls per case), ``--seed`` and ``--write`` (replace the benchmark's
+    RESULTS.md section); the caller adds its shape options."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--write", action="store_true", help="write the section of benchmarks/RESULTS.md"
+    )
+    return p
 
 
 def device_ms(fn: Callable[[], object], device: Any, *, warmup: int, iters: int) -> float:

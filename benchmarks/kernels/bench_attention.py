@@ -27,7 +27,7 @@ import harness
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = harness.timing_parser(__doc__, iters=10, warmup=3)
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=2)
@@ -35,12 +35,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--doc-median", type=int, default=1024)
     p.add_argument("--modes", nargs="+", default=["causal", "bidir"], choices=["causal", "bidir"])
     p.add_argument("--backends", nargs="*", default=None, help="default: all available")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--write", action="store_true", help="write the section of benchmarks/RESULTS.md"
-    )
     return p.parse_args()
 
 

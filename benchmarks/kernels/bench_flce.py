@@ -34,16 +34,10 @@ import harness
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = harness.timing_parser(__doc__, iters=5, warmup=2)
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--write", action="store_true", help="write the section of benchmarks/RESULTS.md"
-    )
     return p.parse_args()
 
 
