@@ -113,3 +113,38 @@ def test_engine_config_converts_and_trains(tiny_inputs, llava_dir, tmp_path, cap
         assert needle in err, (needle, err[-2000:])
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert sum('"loss"' in ln for ln in lines) >= 1
+
+
+@pytest.mark.parametrize("family", ["sit", "wan"])
+def test_check_data_reads_latent_batches(family, tmp_path):
+    """Diffusion transformers' data plan (latent batches): check-data reads the records through
+    the latent loader (bucket shapes, transformer tokens per sample, bad records, a sample)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    raw = yaml.safe_load((root / "examples" / family / "tiny_cpu.yaml").read_text())
+    d, m = raw["dataset_config"], raw["model_config"]
+    data = tmp_path / ("shapes.parquet" if family == "sit" else "clips.parquet")
+    d.update(
+        dataset_path=str(data), generate_synthetic={**d["generate_synthetic"], "num_samples": 12}
+    )
+    if "processor_path" in m:
+        m["processor_path"] = str(tmp_path / "processor")
+    if family == "sit":  # one more file: a record whose image is missing
+        (tmp_path / "more.jsonl").write_text(json.dumps({"image": "gone.png", "label": 1}) + "\n")
+        check_data(config_from_dict(raw), num_records=1)  # generates the shapes
+        d["dataset_path"] = [str(data), str(tmp_path / "more.jsonl")]
+    r = check_data(config_from_dict(raw), num_records=20)
+    text = r.text()
+    assert r.total_records == (13 if family == "sit" else 12) and r.seen == r.total_records
+    shape, tokens, media = (
+        ("3x16x16", 64, "image") if family == "sit" else ("3x9x32x32", 80, "video")
+    )
+    assert r.good == 12 and set(r.lengths) == {tokens} and r.media[media] == 12
+    assert r.shapes == {f"pixel_values {shape}": 12} and f"pixel_values {shape} 12" in text
+    if family == "sit":
+        assert r.bad == {"missing_media": 1} and "gone.png" in r.examples["missing_media"]
+        assert "class " in r.sample and "missing_media=1" in text
+    else:
+        assert "caption [[a " in r.sample and "moving" in r.sample
+    assert "steps per epoch" in text and "full batches" in text
