@@ -132,11 +132,14 @@ def environment() -> dict[str, str]:
     return env
 
 
-def timing_parser(doc: str, *, iters: int, warmup: int) -> argparse.ArgumentParser:
-    """A timing benchmark's command line: ``doc`` as its help, ``--iters`` and ``--warmup``
-    (timed and untimed calls per case), ``--seed`` and ``--write`` (replace the benchmark's
-    RESULTS.md section); the caller adds its shape options."""
+def timing_parser(
+    doc: str, *, tokens: list[int], iters: int, warmup: int
+) -> argparse.ArgumentParser:
+    """A timing benchmark's command line: ``doc`` as its help, ``--tokens`` (the row sizes to
+    time), ``--iters`` and ``--warmup`` (timed and untimed calls per case), ``--seed`` and
+    ``--write`` (replace the benchmark's RESULTS.md section); the caller adds its shape options."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=tokens)
     p.add_argument("--iters", type=int, default=iters)
     p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--seed", type=int, default=0)

@@ -27,8 +27,7 @@ import harness
 
 
 def parse_args() -> argparse.Namespace:
-    p = harness.timing_parser(__doc__, iters=10, warmup=3)
-    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
+    p = harness.timing_parser(__doc__, tokens=[8192, 16384, 32768], iters=10, warmup=3)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=128)

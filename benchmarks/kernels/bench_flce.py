@@ -34,8 +34,7 @@ import harness
 
 
 def parse_args() -> argparse.Namespace:
-    p = harness.timing_parser(__doc__, iters=5, warmup=2)
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    p = harness.timing_parser(__doc__, tokens=[4096, 16384, 32768], iters=5, warmup=2)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=151936)
     return p.parse_args()
