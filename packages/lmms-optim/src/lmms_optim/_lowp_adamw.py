@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ._common import closure_loss
+from ._flat_adamw import Hyper
 
 __all__ = ["LowPrecisionAdamW", "stochastic_round_"]
 
@@ -68,6 +69,13 @@ def stochastic_round_(
     rounded = torch.where(finite, rounded, bits)  # inf / nan: unchanged
     out.copy_(rounded.view(torch.float32))
     return out
+
+
+def _hyper(group: dict[str, Any], step: int) -> Hyper:
+    """A parameter group's AdamW hyper-parameters at ``step`` (counted after its increment)."""
+    b1, b2 = group["betas"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    return Hyper(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step)
 
 
 def _seed(seed: int, step: int, index: int, what: int, chunk: int) -> int:
@@ -263,11 +271,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 [p for _, p, _ in live], [st["exp_avg"] for st in states],
                 [st["exp_avg_sq"] for st in states], mirrors,
             )  # fmt: skip
-        b1, b2 = group["betas"]
         lowp_adamw_multi_(
             pack, [g for _, _, g in live], [_seed(self.seed, t, i, 0, 0) % (1 << 31) for i, _, _ in live],
-            lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
-            step=t, stochastic=self.rounding == "stochastic", grad_scale=scale,
+            _hyper(group, t), stochastic=self.rounding == "stochastic", grad_scale=scale,
         )  # fmt: skip
         return True
 
@@ -276,31 +282,29 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     ) -> None:
         """One parameter's step: the per-parameter Triton kernel or the torch path, then its
         mirror's copy (if any)."""
-        lr, (b1, b2) = group["lr"], group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
         grad = self._grad_of(p)
         if grad is None:
             return
         state = self._state(p)
         state["step"] += 1
         t = int(state["step"].item())  # a host counter (CPU tensor): no device read
+        hp = _hyper(group, t)
         if self._use_triton(p):
             from ._lowp_triton import lowp_adamw_triton_
 
             lowp_adamw_triton_(
-                p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], lr=lr,
-                beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=t,
+                p, grad.contiguous(), state["exp_avg"], state["exp_avg_sq"], hp,
                 seed=_seed(self.seed, t, index, 0, 0) % (1 << 31),
                 stochastic=self.rounding == "stochastic", grad_scale=scale,
             )  # fmt: skip
         else:
-            self._step_torch(p, grad, state, (lr, b1, b2, eps, wd), t, index, scale)
+            self._step_torch(p, grad, state, hp, index, scale)
         if id(p) in self._mirrors:
             self._mirrors[id(p)].copy_(p)
 
-    def _step_torch(self, p, grad, state, hyper, t, index, scale) -> None:
+    def _step_torch(self, p, grad, state, hp: Hyper, index, scale) -> None:
         """The torch backend: fp32 arithmetic in chunks of ``chunk_numel``, rounded back."""
-        lr, b1, b2, eps, wd = hyper
+        lr, b1, b2, eps, wd, t = hp.lr, hp.beta1, hp.beta2, hp.eps, hp.weight_decay, hp.step
         bc1, bc2 = 1 - b1**t, 1 - b2**t
         step_size, bc2_sqrt = lr / bc1, math.sqrt(bc2)
         flat = (p.view(-1), grad.reshape(-1), state["exp_avg"].view(-1),

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from . import _lowp_triton
+from ._flat_adamw import Hyper
 
 __all__ = ["MultiPack", "lowp_adamw_multi_"]
 
@@ -79,13 +80,8 @@ def lowp_adamw_multi_(
     pack: MultiPack,
     grads: list[torch.Tensor],  # one per parameter of the pack, contiguous, one dtype
     seeds: list[int],  # one per parameter, 0 <= seed < 2**31
+    hp: Hyper,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
     stochastic: bool,
     grad_scale: torch.Tensor | None = None,
 ) -> None:
@@ -105,14 +101,13 @@ def lowp_adamw_multi_(
         host = host.pin_memory()
     dynamic = host.to(device, non_blocking=True)
     kernel = _multi_kernel()
-    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     tdt = _triton_dtypes()
     bf16 = torch.bfloat16
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         kernel[(pack.chunk_index.numel(),)](
             pack.static, dynamic, pack.numel, pack.chunk_index, pack.chunk_start,
             pack.numel if grad_scale is None else grad_scale, pack.count,
-            1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps, lr / bc1,
+            *hp.kernel_scalars(),
             HAS_SCALE=grad_scale is not None, HAS_OUT=len(pack.dtypes) == 4,
             P_SR=stochastic and p_dt == bf16, S_SR=stochastic and s_dt == bf16,
             P_DT=tdt[p_dt], G_DT=tdt[grads[0].dtype], S_DT=tdt[s_dt],

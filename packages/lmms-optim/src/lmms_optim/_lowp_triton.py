@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ._flat_adamw import Hyper
+
 __all__ = ["lowp_adamw_triton_"]
 
 tl: Any = None  # triton.language, bound by _kernel() on first use
@@ -35,13 +37,8 @@ def lowp_adamw_triton_(
     g: torch.Tensor,  # same numel, any float dtype
     m: torch.Tensor,  # same numel, fp32 or bf16
     v: torch.Tensor,  # same numel, fp32 or bf16
+    hp: Hyper,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
     seed: int,  # 0 <= seed < 2**31
     stochastic: bool,
     grad_scale: torch.Tensor | None = None,  # [] fp32 on p's device
@@ -56,11 +53,10 @@ def lowp_adamw_triton_(
     if not p.is_contiguous():
         raise ValueError("the parameter must be contiguous")
     kernel = _kernel()
-    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():
         kernel[(triton_cdiv(n, _BLOCK),)](
             p, g, m, v, p if grad_scale is None else grad_scale, n, seed,
-            1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps, lr / bc1,
+            *hp.kernel_scalars(),
             HAS_SCALE=grad_scale is not None,
             P_SR=stochastic and p.dtype == torch.bfloat16,
             M_SR=stochastic and m.dtype == torch.bfloat16,
