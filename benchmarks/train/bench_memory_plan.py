@@ -42,6 +42,13 @@ bench_train.CONFIGS.update(
             norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=40960,
             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         ),
+        # Llama-3.2-1B's shape (tied embeddings, GQA 32/8, head dim 64)
+        "llama3_1b": dict(
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+            max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, use_cache=False,
+        ),
     }
 )  # fmt: skip
 NO_AC = dict(activation_checkpointing="none")
@@ -59,29 +66,57 @@ CASES: dict[str, dict] = {
                           optimizer="adamw", data="text", layout=NO_AC),
     "llava_ov_0p5b_16k": dict(family="llava_onevision", preset="0.5b", T=16384, optimizer="adamw",
                               data="vl", layout=dict(activation_checkpointing="none")),
+    "llama3_1b_16k": dict(family="llama", config="llama3_1b", T=16384, optimizer="adamw",
+                          data="text", layout=NO_AC),
+    # issue 38's point 4 layouts, timed beside the auto row: the decoder's blocks all under
+    # selective checkpointing (matmul outputs kept; norms, rotary, SwiGLU and attention
+    # recomputed) instead of 13 of 36 under full, the vision tower as auto has it
+    "vl3b_16k_h100_sel": dict(family="qwen2_5_vl", preset="3b", T=16384, optimizer="adamw",
+                              data="vl", compile=True, steps=12, warmup=3,
+                              layout=dict(activation_checkpointing="selective",
+                                          activation_checkpointing_fraction=1.0,
+                                          vision_activation_checkpointing="full",
+                                          vision_activation_checkpointing_fraction=1.0),
+                              trainer={"optimizer_state_dtype": "bfloat16", **LEVERS_ON}),
     "vl3b_8k_bf16state": dict(family="qwen2_5_vl", preset="3b", T=8192, optimizer="adamw",
                               data="vl", layout=HALF_AC,
                               trainer={"optimizer_state_dtype": "bfloat16"}),
 }  # fmt: skip
 # one per family, the GPU call's order (the 3B VL row first: issue 38's point 4)
-# (`llava_ov_0p5b_16k` stopped in its first forward on 2026-12-05: the locally built
-# LLaVA-OneVision processor cuts 32 px tiles, 4 patches, where the 0.5B preset's SigLIP wants 729;
-# it needs a processor folder with 384 px tiles before it can run)
-DEFAULT = ["vl3b_16k_h100", "text1p5b_16k", "qwen3_moe_16k", "qwen3_1p7b_16k_halfac"]
+DEFAULT = ["vl3b_16k_h100", "text1p5b_16k", "qwen3_moe_16k", "qwen3_1p7b_16k_halfac",
+           "llava_ov_0p5b_16k", "llama3_1b_16k"]  # fmt: skip
 PLAN_LINE = re.compile(r"\[lmms-train\] memory plan: peak ([0-9.]+) GiB allocated \(([^)]*)\)")
 AUTO_LINE = re.compile(r"\[lmms-train\] memory: auto chose (.*)")
 
 
 def _args(case: dict, cli: argparse.Namespace) -> argparse.Namespace:
     """bench_train's options for one case (its config builder reads them)."""
+    timed = "warmup" in case  # the timed rows: --vl-steps / --vl-warmup override
     return argparse.Namespace(
-        tiny=cli.tiny, warmup=case.get("warmup", 1), steps=case.get("steps", cli.steps),
+        tiny=cli.tiny,
+        warmup=(cli.vl_warmup or case["warmup"]) if timed else 1,
+        steps=(cli.vl_steps or case["steps"]) if timed else cli.steps,
         vision_attn=None, linear_patch_embed=False, fused_master_step=None, muon_fused_step=None,
         keep=False, fsdp=False, ga=1, compile=bool(case.get("compile")) and not cli.tiny,
         loss_backend="auto", profile_steps=None, loss_rows=None, gc_control=False,
         compile_warmup=False, optimizer_state_dtype=None, ac=None, ac_fraction=None,
         vision_ac=None, vision_ac_fraction=None, case_timeout=cli.case_timeout, cold_cache=False,
     )  # fmt: skip
+
+
+def processor_folder(family: str, work: Path, tiny: bool) -> str:
+    """The local processor folder of a VL case. LLaVA-OneVision's default local processor is the
+    tiny one (32 px views, 16 features: the tiny config's SigLIP); a preset's SigLIP takes 384 px
+    views of 729 patches, so its folder is built here with the released checkpoints' settings
+    (the trainer reuses an existing folder). Other families: the trainer builds the folder."""
+    if family != "llava_onevision" or tiny:
+        return str(work / f"processor_{family}")
+    from lmms_data.processors._local_llava import RELEASED_LLAVA, build_local_llava_processor
+
+    path = work / f"processor_{family}_{RELEASED_LLAVA['view']}"
+    if not path.exists():
+        build_local_llava_processor(str(path), settings=RELEASED_LLAVA)
+    return str(path)
 
 
 def media_share(cfg_path: Path) -> float:
@@ -97,34 +132,35 @@ def run_case(name: str, case: dict, work: Path, cli: argparse.Namespace) -> dict
     import yaml
 
     args = _args(case, cli)
-    cfg = bench_train.lmms_config(name, case, work, args)
+    run = name + cli.tag  # its run folder and config file
+    cfg = bench_train.lmms_config(run, case, work, args)
     if case["data"] == "vl":  # each family its own local processor folder
-        cfg["model_config"]["processor_path"] = str(work / f"processor_{case['family']}")
+        cfg["model_config"]["processor_path"] = processor_folder(case["family"], work, cli.tiny)
     cfg["trainer_args"].update(case.get("trainer", {}))
-    path = work / f"{name}.yaml"
+    path = work / f"{run}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     share = media_share(path) if case["data"] == "vl" else 0.0
     cfg["trainer_args"]["memory_media_share"] = round(share, 4)
     path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(sys.path[:1] + _src_paths() + [env.get("PYTHONPATH", "")])
+    src = _src_paths(Path(cli.src) if cli.src else ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(sys.path[:1] + src + [env.get("PYTHONPATH", "")])
     code, _, stderr = bench_train._run_case(
         [sys.executable, "-m", "lmms_train", str(path)], env, args
     )
     plan = PLAN_LINE.search(stderr or "")
     auto = AUTO_LINE.search(stderr or "")
-    row = {"case": name, "family": case["family"], "T": cfg["dataset_config"]["packing_length"],
+    row = {"case": run, "family": case["family"], "src": cli.src or "this tree",
+           "T": cfg["dataset_config"]["packing_length"],
            "media_share": round(share, 3), "auto": auto.group(1) if auto else None,
            "predicted_gib": float(plan.group(1)) if plan else None,
            "moment": plan.group(2) if plan else None}  # fmt: skip
     if code != 0:
-        bench_train._save_log(name, stderr)
+        bench_train._save_log(run, stderr)
         tail = (stderr or "").strip().splitlines()[-3:]
         return {**row, "status": "error" if code is not None else "timeout",
                 "error": " | ".join(tail)[-400:]}  # fmt: skip
-    rows = [
-        json.loads(x) for x in (work / "runs" / name / "metrics.jsonl").read_text().splitlines()
-    ]
+    rows = [json.loads(x) for x in (work / "runs" / run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "tokens" in r]
     timed = [r for r in steps if r["step"] > args.warmup]
     measured = max(r.get("peak_memory_gb", 0.0) for r in steps)
@@ -140,11 +176,16 @@ def run_case(name: str, case: dict, work: Path, cli: argparse.Namespace) -> dict
         s = bench_train.summarize(timed)
         row |= {k: s[k] for k in ("steps", "tok_s", "mfu", "mfu_lm", "step_s", "step_s_median")}
         row["mfu_all_rows"] = s.get("mfu_all_rows")
+        row["step_s_each"] = s["step_s_each"]
+        for part in ("forward", "backward", "optimizer"):  # the step's split (means)
+            key = f"time/{part}"
+            if all(key in r for r in timed):
+                row[key] = round(sum(r[key] for r in timed) / len(timed), 3)
     return row
 
 
-def _src_paths() -> list[str]:
-    return [str(p) for p in sorted(ROOT.glob("packages/*/src"))] + [str(ROOT / "apps/trainer/src")]
+def _src_paths(root: Path = ROOT) -> list[str]:
+    return [str(p) for p in sorted(root.glob("packages/*/src"))] + [str(root / "apps/trainer/src")]
 
 
 def main() -> None:
@@ -155,6 +196,12 @@ def main() -> None:
     p.add_argument("--work", default="/tmp/lmms-bench-memory")
     p.add_argument("--case-timeout", type=int, default=300)
     p.add_argument("--tiny", action="store_true", help="tiny models on CPU (plumbing check)")
+    p.add_argument("--vl-steps", type=int, help="timed steps of the VL-3B rows (default 12)")
+    p.add_argument("--vl-warmup", type=int, help="untimed first steps of the VL-3B rows (3)")
+    p.add_argument("--src", help="another checkout (e.g. `git archive` of an earlier commit) whose "
+                   "packages the runs import: a before-row in the same call")  # fmt: skip
+    p.add_argument("--tag", default="", help="appended to each row's case name (and run folder)")
+    p.add_argument("--json", default="bench_memory_plan.json", help="file name under $OUT")
     cli = p.parse_args()
     sys.path[1:1] = _src_paths()  # lmms_train in this process: check-data's counter
     work = Path(cli.work)
@@ -172,10 +219,11 @@ def main() -> None:
         print(json.dumps(res), flush=True)
         results.append(res)
         if os.environ.get("OUT"):  # after every case: a call cut short keeps what ran
-            out = Path(os.environ["OUT"], "bench_memory_plan.json")
+            out = Path(os.environ["OUT"], cli.json)
             out.write_text(json.dumps(results, indent=1))
     cols = ["case", "status", "T", "media_share", "max_step_share", "predicted_gib",
-            "measured_gib", "error_pct", "moment", "tok_s", "mfu", "mfu_lm", "step_s"]  # fmt: skip
+            "measured_gib", "error_pct", "moment", "tok_s", "mfu", "mfu_lm", "step_s",
+            "time/forward", "time/backward", "time/optimizer"]  # fmt: skip
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))
     for r in results:

@@ -117,3 +117,38 @@ def test_plan_cli_exit_codes(tmp_path, capsys):
         == 0
     )
     assert "16 GPUs, FSDP2" in capsys.readouterr().out
+
+
+def test_auto_chooses_the_fsdp_degree_on_several_gpus(tmp_path, vl3b):
+    """Issue 38 point 3: with 8 GPUs `memory: auto` ranks every shard x replicate split by the
+    same cost (recompute FLOPs + collectives): a 1.5B model that fits unsharded is replicated
+    (one all-reduce per block instead of two all-gathers and a reduce-scatter); the VL-3B at
+    16k is sharded over all 8 (replicated it would need more recompute). The trainer's mesh
+    exists before the plan: it keeps the launched degree and logs the faster one."""
+    from dataclasses import replace
+
+    from lmms_train._memory_fit import layout_cost, replica_choices
+
+    cfg = _cfg(tmp_path, "qwen2_5", "1.5b")
+    spec = resolve_spec(cfg)
+    facts = model_facts(cfg, spec)
+    on8 = layout_of(cfg, gpus=8)
+    assert replica_choices(on8) == [1, 2, 4, 8]
+    assert replica_choices(replace(on8, dp_replicate=2)) == [2]  # the config's own: kept
+    lay, plan = choose_layout(facts, on8, H100)
+    assert lay.dp_replicate == 8 and plan.fits and "replicated 8" in lay.describe()
+    sharded = choose_layout(facts, on8, H100, vary_replicas=False)[0]
+    assert sharded.dp_replicate == 1 and layout_cost(facts, sharded) > layout_cost(facts, lay)
+    logs: list[str] = []
+    cfg.trainer_args.memory = "auto"
+    memory_preflight(cfg, spec, None, gpus=8, capacity_gib=H100, log=logs.append)
+    assert cfg.trainer_args.dp_replicate == 1  # the launched mesh's degree
+    assert any("launch with trainer_args.dp_replicate: 8" in line for line in logs), logs
+    _, _, vl_facts = vl3b
+    vl8, vl_plan = choose_layout(vl_facts, layout_of(vl3b[0], gpus=8), H100)
+    assert vl8.dp_replicate == 1 and vl_plan.fits
+    replicated = choose_layout(vl_facts, replace(layout_of(vl3b[0], gpus=8), dp_replicate=8),
+                               H100, vary_replicas=False)  # fmt: skip
+    assert replicated is not None and layout_cost(vl_facts, replicated[0]) > layout_cost(
+        vl_facts, vl8
+    )

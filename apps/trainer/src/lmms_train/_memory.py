@@ -91,7 +91,14 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}"]
-        parts.append("FSDP2" if self.fsdp else "one process, fp32 masters")
+        if not self.fsdp:
+            parts.append("one process, fp32 masters")
+        elif self.gpus > 1 and self.dp_replicate > 1:
+            shards = fsdp_shards(self)
+            parts.append(f"FSDP2 sharded over {shards} x replicated {self.dp_replicate}"
+                         if shards > 1 else f"FSDP2 replicated {self.dp_replicate} (no sharding)")  # fmt: skip
+        else:
+            parts.append("FSDP2")
         parts.append(f"{self.optimizer} state {self.state_dtype}")
         for tower, (mode, frac) in self.ac.items():
             parts.append(f"{tower} AC {mode}" + (f" {frac:g}" if mode != "none" else ""))
@@ -200,7 +207,7 @@ def layout_of(cfg: TrainConfig, *, gpus: int = 1) -> Layout:
     from lmms_train._model_setup import ac_plan
 
     t, d = cfg.trainer_args, cfg.dataset_config
-    attn = t.attn_backend if t.use_rmpad else "sdpa"
+    attn = _resolved(t.attn_backend if t.use_rmpad else "sdpa")
     return Layout(
         tokens=d.packing_length,
         media_share=t.memory_media_share,
@@ -216,8 +223,21 @@ def layout_of(cfg: TrainConfig, *, gpus: int = 1) -> Layout:
         ga=t.gradient_accumulation_steps,
         offload=t.fsdp_cpu_offload,
         ac=ac_plan(t),
-        attn={"decoder": attn, "vision": t.vision_attn_backend or attn},
+        attn={"decoder": attn, "vision": _resolved(t.vision_attn_backend or attn)},
     )
+
+
+def _resolved(backend: str) -> str:
+    """`auto` as it resolves on this machine's GPU (FA4 pads head dims to 64 or 128, torch's
+    and flash-attn's varlen kernels do not); without a GPU (`lmms-train plan` on a laptop)
+    `auto` stays, planned as FA4."""
+    if backend != "auto" or not torch.cuda.is_available():
+        return backend
+    try:
+        from lmms_kernels import resolve_backend
+    except ImportError:
+        return backend
+    return resolve_backend("auto", "cuda", torch.bfloat16)
 
 
 # ---------------------------------------------------------------- the plan

@@ -2,11 +2,17 @@
 when a config does not fit, and the trainer's preflight check (before the model is built).
 
 Speed of a layout, relative: the forward FLOPs of the blocks it recomputes (2 x block parameters
-x tokens each, at 600 TFLOP/s), bf16 AdamW moments' extra pass over the parameters (12 B each at
-2.5 TB/s: `LowPrecisionAdamW` is not fused with the masters' write-back), and FSDP2 CPU offload's
-traffic (16 B per parameter each way at 25 GB/s): offload is chosen only when nothing else fits.
+x tokens each, at 600 TFLOP/s; a `selective` block recomputes its element-wise ops and its
+attention, `SELECTIVE_SHARE` of that), FSDP2's collectives with several GPUs (bytes per GPU at
+NVLink speed plus a fixed cost per collective: all-gathers and reduce-scatters within a shard
+group, an all-reduce across replicas), and FSDP2 CPU offload's traffic (16 B per parameter each
+way at 25 GB/s): offload is chosen only when nothing else fits. bf16 AdamW moments cost nothing
+extra (`LowPrecisionAdamW`'s fused step moves 20 B per parameter against fp32 state's 28), so
+fp32 state is kept whenever it fits as fast (ties go to the first candidate: fp32).
 The levers are the trainer's own keys: `activation_checkpointing(_fraction)`,
-`vision_activation_checkpointing(_fraction)`, `optimizer_state_dtype`, `fsdp_cpu_offload`.
+`vision_activation_checkpointing(_fraction)`, `optimizer_state_dtype`, `fsdp_cpu_offload`, and
+with several GPUs `dp_replicate` (FSDP2 shards over `gpus / dp_replicate`, replicated across
+the rest: HSDP; `dp_replicate = gpus` is plain replication).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from lmms_train._memory import (
     Layout,
     MemoryPlan,
     ModelFacts,
+    fsdp_shards,
     layout_of,
     model_facts,
     plan_memory,
@@ -33,14 +40,21 @@ __all__ = [
     "DEFAULT_GPU_GIB",
     "apply_layout",
     "choose_layout",
+    "comm_seconds",
     "fit_suggestions",
     "layout_cost",
+    "log_replica_hint",
     "memory_preflight",
+    "replica_choices",
 ]
 
 RECOMPUTE_FLOPS = 600e12
-STATE_PASS_BYTES = 2.5e12
 PCIE_BYTES = 25e9
+#: a `selective` block's recompute against a full one's (element-wise ops and attention)
+SELECTIVE_SHARE = 0.15
+#: NCCL collectives within one host: bytes per second per GPU, and each collective's fixed cost
+NVLINK_BYTES = 150e9
+COLLECTIVE_S = 25e-6
 #: `memory: auto` keeps this share of the predicted need free on top (the plan's error)
 AUTO_SAFETY = 0.03
 
@@ -65,42 +79,74 @@ def layout_cost(facts: ModelFacts, lay: Layout) -> float:
         blocks = facts.blocks.get(name, [])
         per_block = sum(p for p, _ in blocks) / max(1, len(blocks))
         tokens = tower_tokens(name, shape, lay)
-        share = 0.35 if mode == "selective" else 1.0
+        share = SELECTIVE_SHARE if mode == "selective" else 1.0
         seconds += (
             share * math.floor(shape.layers * frac) * 2 * per_block * tokens / RECOMPUTE_FLOPS
         )
-    if lay.state_dtype == "bfloat16":
-        seconds += 12 * facts.trainable / STATE_PASS_BYTES
     if lay.offload:
         seconds += 2 * 16 * facts.trainable / PCIE_BYTES
-    return seconds
+    return seconds + comm_seconds(facts, lay)
 
 
-def _candidates(facts: ModelFacts, lay: Layout) -> list[Layout]:
+def comm_seconds(facts: ModelFacts, lay: Layout) -> float:
+    """FSDP2's collectives per step on `lay.gpus` GPUs of one host: within a shard group of `s`
+    two all-gathers of the bf16 weights (forward, and backward after resharding) and a
+    reduce-scatter of the fp32 gradients, each moving (s - 1) / s of them per GPU; across `r`
+    replicas an all-reduce of each GPU's gradient shard (2 (r - 1) / r of it). Plus a fixed cost
+    per collective (one of each kind per block and one for the root module)."""
+    if lay.gpus <= 1 or not lay.fsdp:
+        return 0.0
+    s, r = fsdp_shards(lay), lay.dp_replicate
+    moved, kinds = 0.0, 0
+    if s > 1:
+        moved += (2 * 2 * facts.total + 4 * facts.trainable) * (s - 1) / s
+        kinds += 3
+    if r > 1:
+        moved += 2 * 4 * facts.trainable / s * (r - 1) / r
+        kinds += 1
+    units = sum(len(b) for b in facts.blocks.values()) + 1
+    return moved / NVLINK_BYTES + kinds * units * COLLECTIVE_S
+
+
+def replica_choices(lay: Layout) -> list[int]:
+    """`dp_replicate` values `memory: auto` tries: every divisor of the data-parallel GPUs with
+    FSDP2 on several GPUs (from sharding over all of them to plain replication), unless the
+    config sets one (> 1) itself; otherwise the config's."""
+    dp = lay.gpus // max(1, lay.tp)
+    if lay.gpus <= 1 or not lay.fsdp or lay.dp_replicate > 1 or lay.sp > 1 or lay.ep > 1:
+        return [lay.dp_replicate]
+    return [r for r in range(1, dp + 1) if dp % r == 0]
+
+
+def _candidates(facts: ModelFacts, lay: Layout, vary_replicas: bool = True) -> list[Layout]:
     towers = [t for t in facts.towers if facts.blocks.get(t)]
     choices: list[dict[str, tuple[str, float]]] = [{}]
     for name in towers:
         n = facts.towers[name].layers
         steps = [(("none", 1.0) if k == 0 else ("full", _fraction(k, n))) for k in range(n + 1)]
+        steps.append(("selective", 1.0))
         choices = [{**c, name: s} for c in choices for s in steps]
     states = ["float32", "bfloat16"] if lay.optimizer == "adamw" else [lay.state_dtype]
     offloads = [False, True] if lay.fsdp or lay.gpus == 1 else [False]
     out = []
-    for offload in offloads:
-        for state in states:
-            for ac in choices:
-                fsdp = lay.fsdp or offload
-                out.append(replace(lay, ac={**lay.ac, **ac}, state_dtype=state,
-                                   offload=offload, fsdp=fsdp))  # fmt: skip
+    for replicas in replica_choices(lay) if vary_replicas else [lay.dp_replicate]:
+        for offload in offloads:
+            for state in states:
+                for ac in choices:
+                    fsdp = lay.fsdp or offload
+                    out.append(replace(lay, ac={**lay.ac, **ac}, state_dtype=state,
+                                       offload=offload, fsdp=fsdp,
+                                       dp_replicate=replicas))  # fmt: skip
     return out
 
 
 def choose_layout(
-    facts: ModelFacts, lay: Layout, capacity_gib: float
+    facts: ModelFacts, lay: Layout, capacity_gib: float, *, vary_replicas: bool = True
 ) -> tuple[Layout, MemoryPlan] | None:
-    """The cheapest layout (`layout_cost`) that fits, or None."""
+    """The cheapest layout (`layout_cost`) that fits, or None; `vary_replicas=False` keeps the
+    layout's `dp_replicate` (the trainer's mesh is built before the plan)."""
     best: tuple[float, Layout, MemoryPlan] | None = None
-    for cand in _candidates(facts, lay):
+    for cand in _candidates(facts, lay, vary_replicas):
         cost = layout_cost(facts, cand)
         if best is not None and cost >= best[0]:
             continue
@@ -163,6 +209,7 @@ def apply_layout(cfg: TrainConfig, lay: Layout) -> None:
             "vision"
         ]
     t.optimizer_state_dtype = lay.state_dtype
+    t.dp_replicate = lay.dp_replicate
     if lay.offload:
         t.fsdp, t.fsdp_cpu_offload = True, True
 
@@ -193,12 +240,13 @@ def memory_preflight(
         return None
     lay = layout_of(cfg, gpus=gpus)
     if t.memory == "auto":
-        chosen = choose_layout(facts, lay, capacity_gib)
+        chosen = choose_layout(facts, lay, capacity_gib, vary_replicas=False)
         if chosen is None:
             plan = plan_memory(facts, lay, capacity_gib)
             raise UserError(_not_fit_message(facts, lay, plan, capacity_gib, auto=True))
         apply_layout(cfg, chosen[0])
         log(f"[lmms-train] memory: auto chose {chosen[0].describe()}\n{chosen[1].text()}")
+        log_replica_hint(facts, lay, chosen[0], capacity_gib, log)
         plan = chosen[1]
     else:
         plan = plan_memory(facts, lay, capacity_gib)
@@ -207,6 +255,23 @@ def memory_preflight(
     log(f"[lmms-train] memory plan: peak {plan.peak / GIB:.2f} GiB allocated ({plan.moment}), "
         f"{plan.needed / GIB:.1f} of {capacity_gib:.1f} GiB needed")  # fmt: skip
     return plan
+
+
+def log_replica_hint(
+    facts: ModelFacts, lay: Layout, chosen: Layout, capacity_gib: float, log: Any
+) -> None:
+    """With several GPUs: the FSDP2 degree `memory: auto` ranks fastest over every shard x
+    replicate split, logged when it differs from the launched one (the device mesh exists
+    before the plan, so the run keeps its own `dp_replicate`; `lmms-train plan --gpus N` shows
+    the same choice)."""
+    if len(replica_choices(lay)) < 2:
+        return
+    best = choose_layout(facts, lay, capacity_gib)
+    if best is None or best[0].dp_replicate == chosen.dp_replicate:
+        return
+    gain = layout_cost(facts, chosen) - layout_cost(facts, best[0])
+    log(f"[lmms-train] memory: auto: {best[0].describe()} is predicted {gain * 1e3:.0f} ms per "
+        f"step faster; launch with trainer_args.dp_replicate: {best[0].dp_replicate}")  # fmt: skip
 
 
 def _not_fit_message(
