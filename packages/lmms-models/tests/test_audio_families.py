@@ -8,6 +8,13 @@ import importlib
 
 import pytest
 import torch
+from _parity import (
+    assert_backends_match,
+    assert_loss_matches,
+    one_segment_loss,
+    packed_step,
+    reference_grads,
+)
 
 from lmms_models import get_model_spec
 from lmms_models._audio import whisper_encoder_flops
@@ -48,19 +55,14 @@ def audio_pack(name, reference_attn="sdpa"):
 def test_packed_matches_unpacked_upstream(name):
     spec, model, samples, batch = audio_pack(name)
     ref, n_ref = audio_reference_loss_sum(spec, model, samples)
-    ref.backward()
-    g_ref = full_grads(model)
-    model.zero_grad(set_to_none=True)
+    g_ref = reference_grads(model, ref)
 
     tower = spec.vision_tower(model)
     names = spec.set_attention(model, backend="varlen_sdpa")
     assert tower.config._attn_implementation == names["vision"]
-    loss, count = spec.packed_forward(model, batch)
-    loss.backward()
-    g = full_grads(model)
+    loss, count, g = packed_step(spec, model, batch)
     assert "forward" not in vars(tower)  # the varlen forward was only installed for the call
-    assert int(count) == n_ref == batch["num_loss_tokens"]
-    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    assert_loss_matches(loss, count, ref, n_ref, batch)
     assert g.keys() == g_ref.keys()
     assert any("audio_tower.layers" in k for k in g) and any("projector" in k for k in g)
     for k in g_ref:
@@ -69,14 +71,10 @@ def test_packed_matches_unpacked_upstream(name):
     assert batch["input_features"].shape[0] == 39 + 102 + 253 + 7 + 3000
 
     # the check can fail: one text segment for the whole row changes the loss ...
-    with torch.no_grad():
-        bad = dict(
-            batch, cu_seqlens=torch.tensor([0, batch["input_ids"].numel()], dtype=torch.int32)
-        )
-        bad["max_seqlen"] = batch["input_ids"].numel()
-        wrong, _ = spec.packed_forward(model, bad)
-        assert not torch.allclose(wrong, loss, rtol=1e-4)
-        # ... and so does reading the zero padding instead of the window's 2 context frames
+    assert not torch.allclose(one_segment_loss(spec, model, batch), loss, rtol=1e-4)
+    with (
+        torch.no_grad()
+    ):  # ... and so does reading the zero padding instead of the window's 2 context frames
         feats = batch["input_features"].clone()
         feats[37:39] = 0.0
         wrong, _ = spec.packed_forward(model, dict(batch, input_features=feats))
@@ -184,16 +182,11 @@ def test_omni_packed_matches_unpacked_upstream():
     (TMRoPE positions from upstream's get_rope_index per sample) == upstream unpacked."""
     spec, model, samples, batch = omni_pack()
     ref, n_ref = audio_reference_loss_sum(spec, model, samples)
-    ref.backward()
-    g_ref = full_grads(model)
-    model.zero_grad(set_to_none=True)
+    g_ref = reference_grads(model, ref)
     spec.set_attention(model, backend="varlen_sdpa")
     assert spec.audio_tower(model).config._attn_implementation.startswith("lmms_flash_vision")
-    loss, count = spec.packed_forward(model, batch)
-    loss.backward()
-    g = full_grads(model)
-    assert int(count) == n_ref == batch["num_loss_tokens"]
-    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    loss, count, g = packed_step(spec, model, batch)
+    assert_loss_matches(loss, count, ref, n_ref, batch)
     assert g.keys() == g_ref.keys()
     for part in ("audio_tower.layers", "audio_tower.proj", "visual.blocks", "embed_tokens"):
         assert any(part in k for k in g), part
@@ -220,16 +213,10 @@ def test_omni_audio_inputs_precomputed_on_the_host(name, monkeypatch):
         lambda _m, _a, kw: seen.append("valid_indices" in kw), with_kwargs=True
     )
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss, _ = spec.packed_forward(model, batch)
-        loss.backward()
-        return loss.detach(), full_grads(model)
-
-    loss, grads = step()
+    loss, _, grads = packed_step(spec, model, batch)
     assert seen == [True]
     monkeypatch.setattr(spec, "host_audio_inputs", lambda *_a: {})
-    ref_loss, ref_grads = step()
+    ref_loss, _, ref_grads = packed_step(spec, model, batch)
     assert seen == [True, False]
     assert torch.equal(loss, ref_loss)
     for k in ref_grads:
@@ -330,16 +317,11 @@ def test_omni3_packed_matches_unpacked_upstream(experts):
     upstream's unpacked thinker, loss and every gradient."""
     spec, model, samples, batch = omni3_pack(aux=False)
     ref, n_ref = audio_reference_loss_sum(spec, model, samples)
-    ref.backward()
-    g_ref = full_grads(model)
-    model.zero_grad(set_to_none=True)
+    g_ref = reference_grads(model, ref)
     spec.set_attention(model, backend="varlen_sdpa")
     spec.set_experts(model, experts)
-    loss, count = spec.packed_forward(model, batch)
-    loss.backward()
-    g = full_grads(model)
-    assert int(count) == n_ref == batch["num_loss_tokens"]
-    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    loss, count, g = packed_step(spec, model, batch)
+    assert_loss_matches(loss, count, ref, n_ref, batch)
     assert g.keys() == g_ref.keys()
     for part in ("audio_tower.layers", "audio_tower.conv2d1", "visual.merger_list",
                  "mlp.experts", "mlp.gate"):  # fmt: skip
@@ -539,11 +521,4 @@ def test_audio_packed_matches_unpacked_on_gpu(name):
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ref, n = audio_reference_loss_sum(spec, model, cuda)
     backends = [b for b in lmms_kernels.available_backends() if b in ("fa4", "fa", "torch", "flex")]
-    for backend in backends:
-        spec.set_attention(model, backend=backend)
-        with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
-            loss, count = spec.packed_forward(model, batch)
-        assert int(count) == n
-        torch.testing.assert_close(
-            loss.float().cpu(), ref.float().cpu(), rtol=2e-2, atol=1e-2, msg=backend
-        )
+    assert_backends_match(spec, model, batch, ref, n, backends)

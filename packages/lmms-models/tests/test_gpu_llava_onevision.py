@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _parity import assert_backends_match
 
 from lmms_models import get_model_spec
 from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
@@ -38,12 +39,5 @@ def test_llava_onevision_packed_matches_unpacked_on_gpu():
     with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
         ref, n = reference_loss_sum(spec, model, samples)
     batch = pack_samples(spec, model, samples, pad_to=512)
-    for backend in backends:
-        spec.set_attention(model, backend=backend)
-        with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
-            loss, count = spec.packed_forward(model, batch)
-        assert int(count) == n
-        torch.testing.assert_close(
-            loss.float().cpu(), ref.float().cpu(), rtol=2e-2, atol=1e-2, msg=backend
-        )
-        spec.set_attention(model, backend="sdpa")
+    assert_backends_match(spec, model, batch, ref, n, backends)
+    spec.set_attention(model, backend="sdpa")

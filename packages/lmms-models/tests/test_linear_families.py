@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _parity import assert_loss_matches, one_segment_loss, packed_step, padded_pack, reference_grads
 
 from lmms_models import get_model_spec
 from lmms_models._linear_attention import LinearMixerHandle
@@ -58,30 +59,19 @@ def test_packed_matches_unpacked(name):
         ref, n_ref = reference_loss_sum(spec, model, samples)
     else:
         ref, n_ref = _fla_reference(spec, model, samples)
-    ref.backward()
-    g_ref = full_grads(model)
-    model.zero_grad(set_to_none=True)
-
-    total = sum(s["input_ids"].numel() for s in samples)
-    batch = pack_samples(spec, model, samples, pad_to=total + 3)
+    g_ref = reference_grads(model, ref)
+    batch = padded_pack(spec, model, samples)
     names = spec.set_attention(model, backend="varlen_sdpa")
     assert names["linear"] == "lmms_auto"
-    loss, count = spec.packed_forward(model, batch)
-    loss.backward()
-    g_packed = full_grads(model)
-    assert int(count) == n_ref == batch["num_loss_tokens"]
-    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    loss, count, g_packed = packed_step(spec, model, batch)
+    assert_loss_matches(loss, count, ref, n_ref, batch)
     assert g_packed.keys() == g_ref.keys()
     assert any("A_log" in k for k in g_packed) and any("conv1d" in k for k in g_packed)
     for k in g_ref:
         scale = g_ref[k].abs().max().clamp_min(1e-3)
         torch.testing.assert_close(g_packed[k] / scale, g_ref[k] / scale, rtol=0, atol=1e-4, msg=k)
     # the check can fail: one segment for the whole row carries state across samples
-    bad = dict(batch, cu_seqlens=torch.tensor([0, total + 3], dtype=torch.int32))
-    bad["max_seqlen"] = total + 3
-    with torch.no_grad():
-        wrong, _ = spec.packed_forward(model, bad)
-    assert not torch.allclose(wrong, loss.detach(), rtol=1e-4)
+    assert not torch.allclose(one_segment_loss(spec, model, batch), loss, rtol=1e-4)
 
 
 def _last_hidden(spec, model, batch):

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _parity import assert_loss_matches, packed_step, padded_pack, reference_grads
 
 from lmms_models import LoraOptions, apply_lora, get_model_spec
-from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
+from lmms_models.testing import SampleSpec, make_sample, reference_loss_sum
 
 pytest.importorskip("peft")
 
@@ -37,27 +38,17 @@ def _lora_model(name: str, opts: LoraOptions, attn: str = "varlen_sdpa"):
     return spec, model, handle
 
 
-def _grads(model):
-    return {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3"])
 def test_lora_packed_matches_unpacked(name):
     opts = LoraOptions(rank=4, alpha=8.0)
     spec, model, handle = _lora_model(name, opts, attn="sdpa")
     samples = _samples(spec, model)
     ref, n_ref = reference_loss_sum(spec, model, samples)
-    ref.backward()
-    g_ref = _grads(model)
-    model.zero_grad(set_to_none=True)
-    total = sum(s["input_ids"].numel() for s in samples)
-    batch = pack_samples(spec, model, samples, pad_to=total + 3)
+    g_ref = reference_grads(model, ref)
+    batch = padded_pack(spec, model, samples)
     spec.set_attention(model, backend="varlen_sdpa")
-    loss, count = spec.packed_forward(model, batch)
-    loss.backward()
-    g_packed = _grads(model)
-    assert int(count) == n_ref
-    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    loss, count, g_packed = packed_step(spec, model, batch)
+    assert_loss_matches(loss, count, ref, n_ref, batch)
     # only the adapters train; every adapter got a gradient, the same as the per-sample reference
     assert set(g_packed) == set(g_ref)
     assert all(".lora_" in k for k in g_packed)

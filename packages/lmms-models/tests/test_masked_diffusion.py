@@ -17,6 +17,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from _parity import padded_pack, reference_grads
 
 from lmms_models import IGNORE_INDEX, get_model_spec
 from lmms_models.objectives import (
@@ -105,12 +106,8 @@ def test_packed_matches_unpacked_with_the_same_masks(name, shift):
     samples = _samples(spec, model)
     ctx = ObjectiveContext(seed=5, step=2)
     ref = _reference(spec, model, samples, ctx=ctx, eps=0.02, shift=shift)
-    ref.backward()
-    g_ref = full_grads(model)
-    model.zero_grad(set_to_none=True)
-
-    total = sum(s["input_ids"].numel() for s in samples)
-    batch = pack_samples(spec, model, samples, pad_to=total + 3)
+    g_ref = reference_grads(model, ref)
+    batch = padded_pack(spec, model, samples)
     spec.set_attention(model, backend="varlen_sdpa")
     out = obj.loss(spec, model, batch, ctx)
     out.loss_sum.backward()

@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _parity import (
+    assert_loss_matches,
+    one_segment_loss,
+    packed_step,
+    padded_pack,
+    reference_grads,
+)
 
 from lmms_models import get_model_spec, linear_patch_embed
 from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
@@ -48,20 +55,12 @@ def _check(name: str, reference_attn: str):
     gen = torch.Generator().manual_seed(1)
     samples = [make_sample(spec, model.config, s, gen=gen) for s in _samples(spec)]
     ref, n_ref = reference_loss_sum(spec, model, samples)
-    ref.backward()
-    g_ref = full_grads(model)
-    model.zero_grad(set_to_none=True)
-
-    total = sum(s["input_ids"].numel() for s in samples)
-    batch = pack_samples(spec, model, samples, pad_to=total + 3)
+    g_ref = reference_grads(model, ref)
+    batch = padded_pack(spec, model, samples)
     names = spec.set_attention(model, backend="varlen_sdpa")
     assert "flash" in names["vision"]  # Qwen-VL towers pass cu_seqlens only to "flash" names
-    loss, count = spec.packed_forward(model, batch)
-    loss.backward()
-    g_packed = full_grads(model)
-
-    assert int(count) == n_ref == batch["num_loss_tokens"]
-    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    loss, count, g_packed = packed_step(spec, model, batch)
+    assert_loss_matches(loss, count, ref, n_ref, batch)
     assert g_packed.keys() == g_ref.keys()
     tower = spec.vision_tower(model)
     if tower is not None:  # the tower's parameters got gradients too
@@ -70,20 +69,14 @@ def _check(name: str, reference_attn: str):
         }
     for k in g_ref:
         torch.testing.assert_close(g_packed[k], g_ref[k], rtol=1e-4, atol=1e-6, msg=k)
-    return spec, model, batch, loss.detach()
+    return spec, model, batch, loss
 
 
 @pytest.mark.parametrize("name", TEXT_FAMILIES + MEDIA_FAMILIES)
 def test_packed_matches_unpacked_upstream(name):
     spec, model, batch, loss = _check(name, "sdpa")
     # The check can fail: one segment for the whole row (cross-sample attention) changes the loss.
-    bad = dict(batch)
-    n = batch["input_ids"].numel()
-    bad["cu_seqlens"] = torch.tensor([0, n], dtype=torch.int32)
-    bad["max_seqlen"] = n
-    with torch.no_grad():
-        wrong, _ = spec.packed_forward(model, bad)
-    assert not torch.allclose(wrong, loss, rtol=1e-4)
+    assert not torch.allclose(one_segment_loss(spec, model, batch), loss, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen2_5_vl"])
@@ -154,19 +147,13 @@ def test_vision_inputs_precomputed_on_the_host(name, monkeypatch):
         lambda _m, _a, kw: layer_kwargs.append(set(kw)), with_kwargs=True
     )
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss, _ = spec.packed_forward(model, batch)
-        loss.backward()
-        return loss.detach(), full_grads(model)
-
-    loss, grads = step()
+    loss, _, grads = packed_step(spec, model, batch)
     assert given and all(given), given  # images and videos: every tower call took host values
     assert not any(k in layer_kwargs[0] for k in (key, "cu_seqlens", "grid_thw"))
     calls = len(given)
     given.clear()
     monkeypatch.setattr(spec, "host_keys", ())  # the tower computes them from the grids
-    ref_loss, ref_grads = step()
+    ref_loss, _, ref_grads = packed_step(spec, model, batch)
     assert given == [False] * calls, given
     assert torch.equal(loss, ref_loss)
     for k in ref_grads:
@@ -273,16 +260,11 @@ def test_a_vision_tower_on_its_own_backend_gives_the_same_packed_loss():
     """Text on lmms' SDPA-per-segment, the tower on its upstream attention (transformers' own
     split by ``cu_seqlens``): the same loss and vision grads as both on SDPA-per-segment."""
     spec, model, batch = tiny_pack("qwen2_5_vl")
-    loss_ref, _ = spec.packed_forward(model, batch)
-    loss_ref.backward()
-    g_ref = full_grads(model)
-    model.zero_grad(set_to_none=True)
+    loss_ref, _, g_ref = packed_step(spec, model, batch)
     names = spec.set_attention(model, backend="varlen_sdpa", vision_backend="sdpa")
     assert names == {"text": "lmms_flash_text_varlen_sdpa", "vision": "sdpa"}
-    loss, _ = spec.packed_forward(model, batch)
-    loss.backward()
-    g = full_grads(model)
-    torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=1e-5)
+    loss, _, g = packed_step(spec, model, batch)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
     visual = [k for k in g_ref if ".visual." in k or k.startswith("model.visual")]
     assert visual
     for k in visual:
@@ -297,18 +279,13 @@ def test_linear_patch_embed_equals_the_convolution(name):
     keys = list(model.state_dict())
     x = torch.randn(37, embed.proj.weight[0].numel(), generator=torch.Generator().manual_seed(2))
     ref = embed(x)
-    loss_ref, _ = spec.packed_forward(model, batch)
-    loss_ref.backward()
-    g_ref = full_grads(model)
-    model.zero_grad(set_to_none=True)
+    loss_ref, _, g_ref = packed_step(spec, model, batch)
 
     handle = linear_patch_embed(tower)
     assert handle.module is embed and "forward" in vars(embed)
     torch.testing.assert_close(embed(x), ref, rtol=1e-5, atol=1e-6)
-    loss, _ = spec.packed_forward(model, batch)
-    loss.backward()
-    g = full_grads(model)
-    torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=1e-6)
+    loss, _, g = packed_step(spec, model, batch)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
     assert set(g) == set(g_ref)
     for k in g_ref:
         torch.testing.assert_close(

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._rows import shift_labels_packed
 from ._spec import IGNORE_INDEX, ModelSpec
 
-__all__ = ["SampleSpec", "make_sample", "pack_samples", "reference_loss_sum"]
+__all__ = ["SampleSpec", "make_sample", "pack_rows", "pack_samples", "reference_loss_sum"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,6 +95,40 @@ def make_sample(
     return out
 
 
+def pack_rows(
+    samples: Sequence[dict[str, torch.Tensor]],
+    positions: Sequence[torch.Tensor],
+    *,
+    pad_to: int = 0,
+) -> dict[str, Any]:
+    """The text part of a packed batch (docs/contracts.md): ``samples``' ids and labels, their
+    next-token labels within each sample, their ``positions`` (``[P, n]`` each) and segments.
+    ``pad_to`` > total adds a tail padding segment."""
+    ids = [s["input_ids"] for s in samples]
+    labels = [s["labels"] for s in samples]
+    pos, lens = list(positions), [int(i.numel()) for i in ids]
+    pad = pad_to - sum(lens)
+    if pad > 0:
+        dev = ids[0].device
+        ids.append(torch.zeros(pad, dtype=torch.long, device=dev))
+        labels.append(torch.full((pad,), IGNORE_INDEX, device=dev))
+        pos.append(torch.arange(pad, device=dev).expand(pos[0].shape[0], -1))
+        lens.append(pad)
+    position_ids = torch.cat(pos, -1)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    batch: dict[str, Any] = {
+        "input_ids": torch.cat(ids),
+        "labels": torch.cat(labels),
+        "shift_labels": shift_labels_packed(torch.cat(labels), cu_seqlens),
+        "position_ids": position_ids[0] if position_ids.shape[0] == 1 else position_ids,
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": max(lens),
+        "num_samples": len(samples),
+    }
+    batch["num_loss_tokens"] = int((batch["shift_labels"] != IGNORE_INDEX).sum())
+    return batch
+
+
 def pack_samples(
     spec: ModelSpec,
     model: nn.Module,
@@ -101,45 +136,18 @@ def pack_samples(
     *,
     pad_to: int = 0,
 ) -> dict[str, Any]:
-    """Concatenate ``samples`` into one packed batch (docs/contracts.md), positions computed per
-    sample with the upstream ``get_rope_index`` (the data package does this at run time).
-    ``pad_to`` > total adds a tail padding segment."""
-    ids, labels, shift, pos, lens = [], [], [], [], []
-    media: dict[str, list[torch.Tensor]] = {}
-    for s in samples:
-        n = s["input_ids"].numel()
-        ids.append(s["input_ids"])
-        labels.append(s["labels"])
-        sh = torch.full_like(s["labels"], IGNORE_INDEX)
-        sh[:-1] = s["labels"][1:]
-        shift.append(sh)
-        grids = {k: s.get(k) for k in ("image_grid_thw", "video_grid_thw")}
-        pos.append(spec.sample_position_ids(model, s["input_ids"], **grids))
-        lens.append(n)
-        for key in spec.media_keys:
-            if key in s and key != "mm_token_type_ids":
-                media.setdefault(key, []).append(s[key])
-    n_real = len(lens)
-    pad = pad_to - sum(lens)
-    if pad > 0:
-        dev = ids[0].device
-        ids.append(torch.zeros(pad, dtype=torch.long, device=dev))
-        labels.append(torch.full((pad,), IGNORE_INDEX, device=dev))
-        shift.append(torch.full((pad,), IGNORE_INDEX, device=dev))
-        pos.append(torch.arange(pad, device=dev).expand(pos[0].shape[0], -1))
-        lens.append(pad)
-    position_ids = torch.cat(pos, -1)
-    batch: dict[str, Any] = {
-        "input_ids": torch.cat(ids),
-        "labels": torch.cat(labels),
-        "shift_labels": torch.cat(shift),
-        "position_ids": position_ids[0] if position_ids.shape[0] == 1 else position_ids,
-        "cu_seqlens": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
-        "max_seqlen": max(lens),
-        "num_samples": n_real,
-    }
-    batch["num_loss_tokens"] = int((batch["shift_labels"] != IGNORE_INDEX).sum())
-    batch.update({k: torch.cat(v) for k, v in media.items()})
+    """Concatenate ``samples`` into one packed batch (:func:`pack_rows`), positions computed per
+    sample with the upstream ``get_rope_index`` (the data package does this at run time)."""
+    grids = ("image_grid_thw", "video_grid_thw")
+    positions = [
+        spec.sample_position_ids(model, s["input_ids"], **{k: s.get(k) for k in grids})
+        for s in samples
+    ]
+    batch = pack_rows(samples, positions, pad_to=pad_to)
+    for key in spec.media_keys:
+        vals = [s[key] for s in samples if key in s and key != "mm_token_type_ids"]
+        if vals:
+            batch[key] = torch.cat(vals)
     if hasattr(spec, "mm_token_type_ids"):
         batch["mm_token_type_ids"] = spec.mm_token_type_ids(model.config, batch["input_ids"])
     return batch

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ._audio import AUDIO_TYPE_ID, whisper_lengths
 from ._spec import IGNORE_INDEX, ModelSpec
+from .testing import pack_rows
 
 __all__ = [
     "AudioSampleSpec",
@@ -87,39 +89,16 @@ def make_audio_sample(
 def pack_audio_samples(
     spec: ModelSpec, model: nn.Module, samples: Sequence[dict[str, Any]], *, pad_to: int = 0
 ) -> dict[str, Any]:
-    """Concatenate ``samples`` into one packed batch (docs/contracts.md), positions per sample
-    from ``spec.sample_position_ids`` with each sample's ``position_media``, media in pack order
-    (the audio entries, and for omni models the vision entries too)."""
-    ids, labels, shift, pos, types, lens = [], [], [], [], [], []
-    for s in samples:
-        ids.append(s["input_ids"])
-        labels.append(s["labels"])
-        sh = torch.full_like(s["labels"], IGNORE_INDEX)
-        sh[:-1] = s["labels"][1:]
-        shift.append(sh)
-        pos.append(spec.sample_position_ids(model, s["input_ids"], **s.get("position_media", {})))
-        types.append(s["mm_token_type_ids"])
-        lens.append(s["input_ids"].numel())
-    n_real, pad = len(lens), pad_to - sum(lens)
-    if pad > 0:
-        ids.append(torch.zeros(pad, dtype=torch.long))
-        for lst in (labels, shift):
-            lst.append(torch.full((pad,), IGNORE_INDEX))
-        pos.append(torch.arange(pad).expand(pos[0].shape[0], -1))
-        types.append(torch.zeros(pad, dtype=torch.long))
-        lens.append(pad)
-    position_ids = torch.cat(pos, -1)
-    batch: dict[str, Any] = {
-        "input_ids": torch.cat(ids),
-        "labels": torch.cat(labels),
-        "shift_labels": torch.cat(shift),
-        "position_ids": position_ids[0] if position_ids.shape[0] == 1 else position_ids,
-        "cu_seqlens": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
-        "max_seqlen": max(lens),
-        "num_samples": n_real,
-        "mm_token_type_ids": torch.cat(types),
-    }
-    batch["num_loss_tokens"] = int((batch["shift_labels"] != IGNORE_INDEX).sum())
+    """Concatenate ``samples`` into one packed batch (:func:`~lmms_models.testing.pack_rows`),
+    positions per sample from ``spec.sample_position_ids`` with each sample's ``position_media``,
+    media in pack order (the audio entries, and for omni models the vision entries too)."""
+    positions = [
+        spec.sample_position_ids(model, s["input_ids"], **s.get("position_media", {}))
+        for s in samples
+    ]
+    batch = pack_rows(samples, positions, pad_to=pad_to)
+    types = torch.cat([s["mm_token_type_ids"] for s in samples])
+    batch["mm_token_type_ids"] = F.pad(types, (0, batch["input_ids"].numel() - types.numel()))
     for key in (*_VISION_KEYS, "input_features", "audio_feature_lens", "audio_frames"):
         vals = [s[key] for s in samples if key in s]
         if vals:
@@ -223,30 +202,52 @@ def make_omni_sample(
         frames = s.video_audio[i]
         clips.append(frames)
         n_aud = int(spec.audio_token_lengths(torch.tensor([frames]), ac)[0])  # type: ignore[attr-defined]
-        ids += [vs, as_]
-        if getattr(spec, "audio_in_video", "chunks") == "tokens":  # Qwen3-Omni: token by token
-            keys = [i * s.second_per_grid * config.position_id_per_seconds for i in range(t)]
-            ids += _merge_by_time(
-                [k for k in keys for _ in range(n_vid // t)], n_aud, config.video_token_id,
-                config.audio_token_id,
-            )  # fmt: skip
-        else:  # Qwen2.5-Omni: runs of seconds_per_chunk
-            per = int(config.position_id_per_seconds * config.seconds_per_chunk)
-            t_idx = (torch.arange(t) * s.second_per_grid * config.position_id_per_seconds).long()
-            v_vals = t_idx.repeat_interleave(n_vid // t)
-            v_chunks, a_chunks = _chunks(v_vals, per), _chunks(torch.arange(n_aud), per)
-            for j in range(max(len(v_chunks), len(a_chunks))):
-                if j < len(v_chunks):
-                    ids += [config.video_token_id] * (v_chunks[j][1] - v_chunks[j][0])
-                if j < len(a_chunks):
-                    ids += [config.audio_token_id] * (a_chunks[j][1] - a_chunks[j][0])
-        ids += [ae, ve, *rand(1)]
+        ids += [vs, as_, *_video_with_audio(spec, config, s, t, n_vid, n_aud), ae, ve, *rand(1)]
     for frames in s.audios:
         clips.append(frames)
         n_aud = int(spec.audio_token_lengths(torch.tensor([frames]), ac)[0])  # type: ignore[attr-defined]
         ids += [as_] + [config.audio_token_id] * n_aud + [ae] + rand(1)
     ids += rand(s.text)
-    input_ids = torch.tensor(ids, dtype=torch.long)
+    return _omni_entries(config, s, torch.tensor(ids, dtype=torch.long), pix, vid, clips, gen)
+
+
+def _video_with_audio(
+    spec: ModelSpec, config: Any, s: OmniSampleSpec, t: int, n_vid: int, n_aud: int
+) -> list[int]:
+    """The placeholders of a video of ``t`` frames (``n_vid`` tokens) interleaved with its sound
+    track's ``n_aud``: token by token in TMRoPE time (Qwen3-Omni) or in runs of
+    ``seconds_per_chunk`` (Qwen2.5-Omni)."""
+    video, audio = config.video_token_id, config.audio_token_id
+    if getattr(spec, "audio_in_video", "chunks") == "tokens":
+        keys = [i * s.second_per_grid * config.position_id_per_seconds for i in range(t)]
+        return _merge_by_time([k for k in keys for _ in range(n_vid // t)], n_aud, video, audio)
+    per = int(config.position_id_per_seconds * config.seconds_per_chunk)
+    t_idx = (torch.arange(t) * s.second_per_grid * config.position_id_per_seconds).long()
+    v_chunks = _chunks(t_idx.repeat_interleave(n_vid // t), per)
+    a_chunks = _chunks(torch.arange(n_aud), per)
+    ids: list[int] = []
+    for j in range(max(len(v_chunks), len(a_chunks))):
+        if j < len(v_chunks):
+            ids += [video] * (v_chunks[j][1] - v_chunks[j][0])
+        if j < len(a_chunks):
+            ids += [audio] * (a_chunks[j][1] - a_chunks[j][0])
+    return ids
+
+
+def _omni_entries(
+    config: Any,
+    s: OmniSampleSpec,
+    input_ids: torch.Tensor,
+    pix: list[torch.Tensor],
+    vid: list[torch.Tensor],
+    clips: list[int],
+    gen: torch.Generator,
+) -> dict[str, Any]:
+    """The sample of ``input_ids [L]``: labels, token types, packed media, and the upstream
+    call's (``ref_kwargs``) and the positions' (``position_media``) entries."""
+    ac = config.audio_config
+    vs, ve = config.vision_start_token_id, config.vision_end_token_id
+    as_, ae = config.audio_start_token_id, config.audio_end_token_id
     labels = input_ids.clone()
     labels[: s.prompt] = IGNORE_INDEX
     special = (config.image_token_id, config.video_token_id, config.audio_token_id, vs, ve, as_, ae)
