@@ -171,7 +171,16 @@ class DiffusionSpec(BuildSpec, GeneratesLatents):
     def media_factors(self, config: dict[str, Any]) -> tuple[int, int, int | None]:
         """``(temporal, spatial, latent channels)`` from media to latents under the config's VAE
         (``(1, 1, None)`` without one: pixel space or precomputed latents)."""
-        return 1, 1, None
+        vae = config.get("vae")
+        if vae is None:
+            return 1, 1, None
+        if isinstance(vae, str):
+            vae = json.loads((Path(vae) / "config.json").read_text())
+        return self.vae_factors(vae)
+
+    def vae_factors(self, vae: dict[str, Any]) -> tuple[int, int, int]:
+        """``(temporal, spatial, latent channels)`` of the family's VAE from its config dict."""
+        raise NotImplementedError(f"{self.name}: no VAE")
 
     def num_classes(self, config: dict[str, Any]) -> int | None:
         """How many class labels the model embeds (a label must lie in ``[0, n)``); None: the

@@ -18,7 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["attention_flops", "dense_lm_matmul_params", "window_lengths"]
+__all__ = [
+    "attention_flops",
+    "dense_lm_matmul_params",
+    "vit_matmul_flops",
+    "window_lengths",
+]
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -70,6 +75,12 @@ def attention_flops(
     """Training FLOPs of softmax attention: ``12 · L · d_attn · Σ s²`` (halved if ``causal_half``)."""
     total = 12.0 * n_layers * attn_width * sum(float(s) * s for s in seq_lens)
     return total / 2 if causal_half else total
+
+
+def vit_matmul_flops(params: dict[str, int], patches: int, merge: int) -> float:
+    """``6·N`` of a merging ViT over ``patches`` patches: ``params["per_patch"]`` (blocks, patch
+    embedding) per patch, ``params["per_merged"]`` (merger) per ``merge x merge`` patches."""
+    return 6.0 * (params["per_patch"] * patches + params["per_merged"] * patches / merge**2)
 
 
 def window_lengths(n: int, window: int) -> Sequence[int]:

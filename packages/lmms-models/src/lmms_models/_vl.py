@@ -42,12 +42,16 @@ def tiny_qwen_vision(**overrides: Any) -> dict[str, Any]:
     }
 
 
+_SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
+
+
 def merge_tiny(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``overrides``; ``text_config``/``vision_config`` dicts are merged key by key."""
+    """``base`` with ``overrides``; sub-config dicts (``text_config``, ``vision_config``,
+    ``audio_config``) are merged key by key."""
     out = dict(base)
     for key, value in overrides.items():
-        if key in ("text_config", "vision_config") and isinstance(value, dict):
-            out[key] = {**out[key], **value}
+        if key in _SUB_CONFIGS and isinstance(value, dict):
+            out[key] = {**out.get(key, {}), **value}
         else:
             out[key] = value
     return out

@@ -162,10 +162,7 @@ class Qwen2_5VisionPart(QwenVLSpec):
         params = self.vision_matmul_params(config)
         total = 0.0
         for t, h, w in torch.as_tensor(grid_thw).reshape(-1, 3).tolist():
-            patches = t * h * w
-            total += 6.0 * (
-                params["per_patch"] * patches + params["per_merged"] * patches / merge**2
-            )
+            total += _flops.vit_matmul_flops(params, t * h * w, merge)
             a2 = sum(x * x for x in _flops.window_lengths(h // merge, win))
             b2 = sum(x * x for x in _flops.window_lengths(w // merge, win))
             sq_full = t * float(h * w) ** 2

@@ -312,10 +312,7 @@ class Qwen3VisionPart(QwenVLSpec):
         params = self.vision_matmul_params(config)
         total = 0.0
         for t, h, w in torch.as_tensor(grid_thw).reshape(-1, 3).tolist():
-            patches = t * h * w
-            total += 6.0 * (
-                params["per_patch"] * patches + params["per_merged"] * patches / merge**2
-            )
+            total += _flops.vit_matmul_flops(params, t * h * w, merge)
             total += (
                 12.0
                 * _flops._get(v, "hidden_size")

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..._build import BuildSpec, build_hf_style
 from ..._registry import register_model
+from ..._vl import merge_tiny
 from ...parts.audio_lm import AudioLMSpec
 from ._model import AeroConfig, AeroForConditionalGeneration
 
@@ -67,15 +68,10 @@ class AeroSpec(BuildSpec, AudioLMSpec):
     reference_audio_keys = ("audio_values", "audio_attention_mask")
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        conf = copy.deepcopy(_TINY)
-        for key, value in overrides.items():
-            if key == "audio_token_id":
-                key = "audio_token_index"  # the trainer's name for it
-            if key in ("audio_config", "text_config") and isinstance(value, dict):
-                conf[key] = {**conf[key], **value}
-            else:
-                conf[key] = value
-        return conf
+        renamed = {  # audio_token_id: the trainer's name for it
+            ("audio_token_index" if k == "audio_token_id" else k): v for k, v in overrides.items()
+        }
+        return merge_tiny(copy.deepcopy(_TINY), renamed)
 
     def make_config(self, config: dict[str, Any]) -> AeroConfig:
         cfg = dict(config)

@@ -106,7 +106,4 @@ class Qwen2_5OmniSpec(OmniAudioPart, Qwen2_5VisionPart):
     host_keys = (*Qwen2_5VisionPart.host_keys, *OmniAudioPart.audio_host_keys)
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        out = merge_tiny(_TINY, {k: v for k, v in overrides.items() if k != "audio_config"})
-        if isinstance(overrides.get("audio_config"), dict):
-            out["audio_config"] = {**out["audio_config"], **overrides["audio_config"]}
-        return out
+        return merge_tiny(_TINY, overrides)

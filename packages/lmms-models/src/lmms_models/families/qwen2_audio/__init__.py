@@ -11,6 +11,7 @@ import copy
 from typing import Any
 
 from ..._registry import register_model
+from ..._vl import merge_tiny
 from ...parts.audio_lm import AudioLMSpec
 from ...parts.text import TINY_TEXT_IDS, tiny_text
 
@@ -72,10 +73,4 @@ class Qwen2AudioSpec(AudioLMSpec):
     presets = {"7b": QWEN2_AUDIO_7B}  # noqa: RUF012
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        base = copy.deepcopy(_TINY)
-        for key, value in overrides.items():
-            if key in ("audio_config", "text_config") and isinstance(value, dict):
-                base[key] = {**base[key], **value}
-            else:
-                base[key] = value
-        return base
+        return merge_tiny(copy.deepcopy(_TINY), overrides)

@@ -148,10 +148,7 @@ class Qwen3OmniMoeSpec(MoESpecMixin, OmniAudioPart, Qwen3VisionPart):
             yield
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        out = merge_tiny(_TINY, {k: v for k, v in overrides.items() if k != "audio_config"})
-        if isinstance(overrides.get("audio_config"), dict):
-            out["audio_config"] = {**out["audio_config"], **overrides["audio_config"]}
-        return out
+        return merge_tiny(_TINY, overrides)
 
     def audio_token_lengths(self, frames: torch.Tensor, audio_config: Any) -> torch.Tensor:
         """Text placeholders per clip of ``frames [n]`` mel frames."""

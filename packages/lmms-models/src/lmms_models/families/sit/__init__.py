@@ -11,9 +11,7 @@ VAE the ``pixel_values`` are the latents (pixel-space SiT: the tiny CPU example)
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,12 +74,7 @@ class SiTSpec(DiffusionSpec, Renders):
         """A :class:`SiT` from ``config.json`` + ``model.safetensors`` (the trainer's export)."""
         return SiT.from_pretrained(folder)
 
-    def media_factors(self, config: dict[str, Any]) -> tuple[int, int, int | None]:
-        vae = config.get("vae")
-        if vae is None:
-            return 1, 1, None
-        if isinstance(vae, str):
-            vae = json.loads((Path(vae) / "config.json").read_text())
+    def vae_factors(self, vae: dict[str, Any]) -> tuple[int, int, int]:
         blocks = vae.get("block_out_channels", (64,))
         return 1, 2 ** (len(blocks) - 1), int(vae.get("latent_channels", 4))
 

@@ -17,7 +17,6 @@ position padding). Ulysses SP over video tokens: :data:`SP_PLAN` (applied by lmm
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,31 +39,17 @@ __all__ = ["SP_PLAN", "WanSpec", "encode_text", "encode_video"]
 _COMMON = dict(patch_size=[1, 2, 2], attention_head_dim=128, text_dim=4096, freq_dim=256,
                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
                rope_max_seq_len=1024)  # fmt: skip
+
+
+def _preset(channels: int, **shape: Any) -> dict[str, Any]:
+    """A published Wan transformer: ``channels`` latent channels in and out, its own ``shape``."""
+    return dict(_COMMON, in_channels=channels, out_channels=channels, **shape)
+
+
 PRESETS = {
-    "1.3b": dict(
-        _COMMON,
-        num_attention_heads=12,
-        ffn_dim=8960,
-        num_layers=30,
-        in_channels=16,
-        out_channels=16,
-    ),
-    "14b": dict(
-        _COMMON,
-        num_attention_heads=40,
-        ffn_dim=13824,
-        num_layers=40,
-        in_channels=16,
-        out_channels=16,
-    ),
-    "2.2-5b": dict(
-        _COMMON,
-        num_attention_heads=24,
-        ffn_dim=14336,
-        num_layers=30,
-        in_channels=48,
-        out_channels=48,
-    ),
+    "1.3b": _preset(16, num_attention_heads=12, ffn_dim=8960, num_layers=30),
+    "14b": _preset(16, num_attention_heads=40, ffn_dim=13824, num_layers=40),
+    "2.2-5b": _preset(48, num_attention_heads=24, ffn_dim=14336, num_layers=30),
 }
 TEXT_LEN = 512  # umT5 context Wan trains with (FLOPs of the cross-attention)
 
@@ -145,12 +130,7 @@ class WanSpec(DiffusionSpec, Renders):
         conf, _ = self.split_encoders(config)
         return {k: v for k, v in conf.items() if not k.startswith("_") and k != "model_type"}
 
-    def media_factors(self, config: dict[str, Any]) -> tuple[int, int, int | None]:
-        vae = config.get("vae")
-        if vae is None:
-            return 1, 1, None
-        if isinstance(vae, str):
-            vae = json.loads((Path(vae) / "config.json").read_text())
+    def vae_factors(self, vae: dict[str, Any]) -> tuple[int, int, int]:
         temporal = 2 ** sum(bool(x) for x in vae.get("temperal_downsample", [False, True, True]))
         spatial = 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
         return temporal, spatial, int(vae.get("z_dim", 16))
