@@ -112,7 +112,9 @@ def test_lora_muon_groups_and_qlora_on_cpu(tiny_inputs, base_folder, tmp_path, c
         check_lora(cfg, DistEnv(tp=2, world_size=2))
     cfg.model_config.lora.quantize_base = "nf4"
     check_lora(cfg, DistEnv(device=torch.device("cuda")))  # QLoRA on one GPU: accepted
-    check_lora(cfg, DistEnv(device=torch.device("cuda"), fsdp=True))  # and under FSDP2
+    check_lora(cfg, DistEnv(device=torch.device("cuda"), fsdp=True, world_size=2))  # FSDP2
+    with pytest.raises(ConfigError, match="2 or more ranks"):  # FSDP2's one-rank path: no NF4
+        check_lora(cfg, DistEnv(device=torch.device("cuda"), fsdp=True))
 
     from lmms_train.cli import main
 
@@ -170,7 +172,7 @@ def test_dpo_trains_and_logs_rewards(tiny_inputs, tmp_path, capsys):
 @pytest.mark.gpu
 def test_qlora_trains_on_gpu(tmp_path):
     """quantize_base: nf4 through the trainer on one GPU (bf16 masters, NF4 base): it learns and
-    writes both exports."""
+    writes both exports. QLoRA under FSDP2 (2+ ranks): test_lora.py's gloo test."""
     pytest.importorskip("torchao")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

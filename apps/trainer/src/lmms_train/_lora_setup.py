@@ -54,6 +54,12 @@ def check_lora(cfg: Any, env: Any) -> None:
             "model_config.lora.quantize_base: nf4 (QLoRA, a 4-bit base) needs a CUDA GPU; "
             f"this run is on {env.device.type}: use quantize_base: none (plain LoRA) here"
         )
+    if lc.quantize_base == "nf4" and env.fsdp and env.world_size < 2:
+        raise ConfigError(
+            "model_config.lora.quantize_base: nf4 with fsdp: true needs 2 or more ranks (FSDP2's "
+            "one-rank path cannot all-gather the 4-bit NF4 tensor); on one GPU set fsdp: false "
+            "(nothing to shard: the same memory)"
+        )
     if env.tp > 1 or env.ep > 1:
         raise ConfigError(
             "model_config.lora with tp_degree/ep_degree > 1 is not supported: the adapters' A/B "

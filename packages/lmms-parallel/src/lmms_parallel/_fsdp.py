@@ -98,6 +98,8 @@ def replace_sharded_param(
 
     Collective (every rank, same order); one full tensor at a time. ``fn``'s result must split
     into equal shards along dim 0 (a subclass cannot be padded as FSDP2 pads plain tensors).
+    Needs at least 2 shard ranks: FSDP2's one-rank path copies a single all-gather input and
+    refuses a subclass with several (NF4 has three), so one rank is refused here.
     FSDP2 learns of the new shard as after ``load_state_dict(assign=True)``
     (``FSDPParam.reset_sharded_param``); its record of the old shard is replaced first, since
     torch compares the old and new storages, which a wrapper subclass does not have.
@@ -109,8 +111,10 @@ def replace_sharded_param(
     if not isinstance(old, DTensor) or old.requires_grad:
         raise ValueError(f"{name}: a frozen FSDP2-sharded parameter is expected")
     mesh, dim = old.device_mesh, len(old.placements) - 1  # the shard dim: HSDP's last
-    full = fn(old.full_tensor())
     shards = mesh.size(dim)
+    if shards < 2:
+        raise ValueError(f"{name}: FSDP2 over one rank cannot all-gather a tensor subclass")
+    full = fn(old.full_tensor())
     if full.size(0) % shards:
         raise ValueError(f"{name}: {full.size(0)} rows do not split over {shards} ranks")
     local = torch.chunk(full, shards, dim=0)[mesh.get_local_rank(dim)]
@@ -122,6 +126,8 @@ def replace_sharded_param(
     setattr(owner, leaf, nn.Parameter(new, requires_grad=False))
     record._sharded_param_data = local.view(-1)
     record.reset_sharded_param()
+    record._init_extensions()  # the new shard's all-gather hooks (a plain shard had none)
+    record.all_gather_outputs = []  # sized for the new shard's all-gather inputs on first use
 
 
 def _fsdp_param(model: nn.Module, owner: nn.Module, leaf: str) -> Any:  # torch private: FSDPParam
