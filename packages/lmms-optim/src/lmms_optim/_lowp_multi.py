@@ -31,6 +31,7 @@ __all__ = ["MultiPack", "lowp_adamw_multi_"]
 
 tl: Any = None  # triton.language, bound by _multi_kernel() on first use
 _sr: Any = None  # _lowp_triton's rounding helper, bound likewise (the interpreter reads globals)
+_adamw: Any = None  # and its AdamW step helper
 _BLOCK = 1024
 # ---------------------------------------------------------------- every parameter in one launch
 #: elements per program of the one-launch kernel (a parameter is cut into chunks of this size)
@@ -125,12 +126,12 @@ def _triton_dtypes() -> dict[torch.dtype, Any]:
 @functools.cache
 def _multi_kernel() -> Callable:
     """The one-launch kernel (built on first use, like :func:`_kernel`)."""
-    global tl, _sr
+    global tl, _sr, _adamw
     import triton
     import triton.language as tl
 
-    _lowp_triton._kernel()  # binds its rounding helper
-    _sr = _lowp_triton._sr
+    _lowp_triton._kernel()  # binds its helpers: the AdamW step and the rounding
+    _sr, _adamw = _lowp_triton._sr, _lowp_triton._adamw
 
     @triton.jit
     def _lowp_adamw_multi_kernel(
@@ -153,17 +154,11 @@ def _multi_kernel() -> Callable:
         for base in range(start, end, BLOCK):
             offs = base + tl.arange(0, BLOCK)
             mask = offs < end
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SCALE:
-                g = g * tl.load(scale_ptr)
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            p = p * decay
-            m = m + one_minus_beta1 * (g - m)  # as the per-parameter kernel
-            v = v * beta2 + one_minus_beta2 * g * g
-            denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-            p = p - step_size * tl.div_rn(m, denom)
+            p, m, v = _adamw(
+                p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, scale_ptr,
+                decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps,
+                step_size, HAS_SCALE,
+            )  # fmt: skip
             if P_SR or S_SR:  # the per-parameter kernel's streams: 32-bit element index
                 r0, r1, r2, _r3 = tl.randint4x(seed.to(tl.int32), offs.to(tl.int32))
                 if P_SR:

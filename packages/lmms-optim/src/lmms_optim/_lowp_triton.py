@@ -29,6 +29,7 @@ __all__ = ["lowp_adamw_triton_"]
 
 tl: Any = None  # triton.language, bound by _kernel() on first use
 _sr: Any = None
+_adamw: Any = None
 _BLOCK = 1024
 
 
@@ -73,9 +74,29 @@ def triton_cdiv(a: int, b: int) -> int:
 def _kernel() -> Callable:
     """Built on first use (importing lmms_optim does not import triton); ``tl`` and the helper
     are module globals because Triton's interpreter resolves names there only."""
-    global tl, _sr
+    global tl, _sr, _adamw
     import triton
     import triton.language as tl
+
+    @triton.jit
+    def _adamw(
+        p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, scale_ptr,
+        decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, step_size,
+        HAS_SCALE: tl.constexpr,
+    ):  # fmt: skip
+        # one block of elements loaded to fp32 registers and stepped: (p, m, v) [BLOCK] fp32
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = g * tl.load(scale_ptr)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        p = p * decay
+        m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights < 0.5
+        v = v * beta2 + one_minus_beta2 * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+        return p, m, v
 
     @triton.jit
     def _sr(x, r):
@@ -94,17 +115,11 @@ def _kernel() -> Callable:
     ):  # fmt: skip
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # < 2**31: one parameter
         mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            g = g * tl.load(scale_ptr)
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        p = p * decay
-        m = m + one_minus_beta1 * (g - m)  # torch's lerp for weights < 0.5
-        v = v * beta2 + one_minus_beta2 * g * g
-        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-        p = p - step_size * tl.div_rn(m, denom)
+        p, m, v = _adamw(
+            p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, scale_ptr,
+            decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, step_size,
+            HAS_SCALE,
+        )  # fmt: skip
         if P_SR or M_SR or V_SR:
             r0, r1, r2, _r3 = tl.randint4x(seed, offs)
             if P_SR:
