@@ -247,13 +247,15 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         """Every parameter of ``group`` with a gradient in one Triton launch
         (:mod:`lmms_optim._lowp_multi`); False (nothing done) where that path does not apply:
         not the Triton backend, mixed dtypes, non-contiguous tensors, unequal step counts."""
+        from ._muon import _local  # FSDP2's DTensors: their local shards (shared storage)
+
         live = [(first + k, p, self._grad_of(p)) for k, p in enumerate(group["params"])]
-        live = [(i, p, g) for i, p, g in live if g is not None]
+        live = [(i, p, _local(g)) for i, p, g in live if g is not None]
         if not live or not self._use_triton(live[0][1]):
             return False
         if len({p.dtype for _, p, _ in live}) != 1 or len({g.dtype for _, _, g in live}) != 1:
             return False
-        if not all(p.is_contiguous() and g.is_contiguous() for _, p, g in live):
+        if not all(_local(p).is_contiguous() and g.is_contiguous() for _, p, g in live):
             return False
         states = [self._state(p) for _, p, _ in live]
         steps = {float(st["step"]) for st in states}
@@ -268,8 +270,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         if pack is None:
             mirrors = [self._mirrors[id(p)] for _, p, _ in live] if self._mirrors else None
             pack = self._packs[key] = MultiPack(
-                [p for _, p, _ in live], [st["exp_avg"] for st in states],
-                [st["exp_avg_sq"] for st in states], mirrors,
+                [_local(p) for _, p, _ in live], [_local(st["exp_avg"]) for st in states],
+                [_local(st["exp_avg_sq"]) for st in states], mirrors,
             )  # fmt: skip
         lowp_adamw_multi_(
             pack, [g for _, _, g in live], [_seed(self.seed, t, i, 0, 0) % (1 << 31) for i, _, _ in live],

@@ -96,6 +96,8 @@ def lowp_adamw_multi_(
     p_dt, s_dt = pack.dtypes[0], pack.dtypes[1]
     if pack.dtypes[2] != s_dt or len({g.dtype for g in grads}) != 1:
         raise ValueError("lowp_adamw_multi_: one moment dtype and one gradient dtype")
+    if pack.chunk_index.numel() == 0:  # every tensor empty (an FSDP2 rank's small shards)
+        return
     device = pack.static.device
     host = torch.tensor([[g.data_ptr() for g in grads], seeds], dtype=torch.int64)
     if device.type == "cuda":
