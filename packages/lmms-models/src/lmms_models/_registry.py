@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
@@ -94,13 +94,17 @@ def get_model_spec(name: str) -> ModelSpec:
     try:
         return MODEL_REGISTRY[name]
     except KeyError:
-        import difflib
+        raise unknown_name("model", name, MODEL_REGISTRY) from None
 
-        close = difflib.get_close_matches(name, MODEL_REGISTRY, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise KeyError(
-            f"unknown model {name!r}.{hint} Registered: {', '.join(sorted(MODEL_REGISTRY))}"
-        ) from None
+
+def unknown_name(kind: str, name: str, registry: Iterable[str]) -> KeyError:
+    """The error for a ``name`` that ``registry`` lacks: the closest registered name, if any,
+    and every registered one."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(registry), n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return KeyError(f"unknown {kind} {name!r}.{hint} Registered: {', '.join(sorted(registry))}")
 
 
 def _family_folders() -> list[str]:

@@ -24,6 +24,8 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
+from .._registry import unknown_name
+
 __all__ = [
     "CAPABILITIES",
     "OBJECTIVE_REGISTRY",
@@ -212,9 +214,5 @@ def get_objective(name: str, **options: Any) -> Objective:
     try:
         cls = OBJECTIVE_REGISTRY[name]
     except KeyError:
-        close = difflib.get_close_matches(name, OBJECTIVE_REGISTRY, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise KeyError(
-            f"unknown objective {name!r}.{hint} Registered: {', '.join(sorted(OBJECTIVE_REGISTRY))}"
-        ) from None
+        raise unknown_name("objective", name, OBJECTIVE_REGISTRY) from None
     return cls(**options)
