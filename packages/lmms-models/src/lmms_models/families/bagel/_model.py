@@ -24,7 +24,6 @@ convention with ``timestep_scale = 1``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...parts.latent import sincos_2d
+from ...parts.latent import GeluMlp, TimestepEmbedder, sincos_2d
 from ._mask import PackLayout, span_attention
 
 __all__ = [
@@ -138,22 +137,6 @@ class PositionTable(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
         return self.pos_embed[ids]
-
-
-class TimestepEmbedder(nn.Module):
-    """``mlp(sinusoid(t))``: 256 cos|sin features of the noise level, then Linear-SiLU-Linear."""
-
-    def __init__(self, hidden: int, freq_dim: int = 256) -> None:
-        super().__init__()
-        self.freq_dim = freq_dim
-        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
-
-    def forward(self, t: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
-        half = self.freq_dim // 2
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device) / half)
-        args = t.float()[:, None] * freqs[None]
-        feats = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-        return self.mlp(feats.to(self.mlp[0].weight.dtype))
 
 
 class RMSNorm(nn.Module):
@@ -412,15 +395,6 @@ class SiglipNaViT(nn.Module):
         return vm.post_layernorm(x)
 
 
-class _Connector(nn.Module):
-    def __init__(self, vit_hidden: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(vit_hidden, hidden), nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
 # ------------------------------------------------------------------------------ BAGEL
 class Bagel(nn.Module):
     """The whole model, single-device and loss-free. :meth:`hidden_states` runs one packed row
@@ -435,7 +409,7 @@ class Bagel(nn.Module):
         h = cfg.llm.hidden_size
         self.language_model = _Qwen2MoTForCausalLM(cfg.llm)
         self.vit_model = SiglipNaViT(cfg.vit)
-        self.connector = _Connector(cfg.vit.hidden_size, h)
+        self.connector = GeluMlp(cfg.vit.hidden_size, h, h)
         self.vit_pos_embed = PositionTable(cfg.vit_max_num_patch_per_side, h)
         self.time_embedder = TimestepEmbedder(h)
         self.vae2llm = nn.Linear(cfg.patch_latent_dim, h)

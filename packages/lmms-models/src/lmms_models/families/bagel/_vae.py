@@ -58,29 +58,39 @@ def _levels(state: dict[str, torch.Tensor], side: str, word: str) -> int:
     return max(found) + 1 if found else 0
 
 
-def _rename_flux(key: str, n_up: int) -> str:
-    k = key
-    k = re.sub(r"^encoder\.down\.(\d+)\.block\.", r"encoder.down_blocks.\1.resnets.", k)
-    k = re.sub(r"^encoder\.down\.(\d+)\.downsample\.", r"encoder.down_blocks.\1.downsamplers.0.", k)
-    k = re.sub(
-        r"^decoder\.up\.(\d+)\.block\.",
-        lambda m: f"decoder.up_blocks.{n_up - 1 - int(m.group(1))}.resnets.",
-        k,
-    )
-    k = re.sub(
-        r"^decoder\.up\.(\d+)\.upsample\.",
-        lambda m: f"decoder.up_blocks.{n_up - 1 - int(m.group(1))}.upsamplers.0.",
-        k,
-    )
-    k = re.sub(r"\.mid\.block_1\.", ".mid_block.resnets.0.", k)
-    k = re.sub(r"\.mid\.block_2\.", ".mid_block.resnets.1.", k)
-    k = re.sub(
-        r"\.mid\.attn_1\.(norm|q|k|v|proj_out)\.",
-        lambda m: f".mid_block.attentions.0.{_ATTN[m.group(1)]}.",
-        k,
-    )
-    k = k.replace(".nin_shortcut.", ".conv_shortcut.").replace(".norm_out.", ".conv_norm_out.")
-    return k
+#: FLUX name parts and their diffusers ``AutoencoderKL`` names, in the order they are applied;
+#: ``{i}`` is a block index, ``{r}`` the same block counted from the other end (the decoder's up
+#: blocks run in reverse order in diffusers)
+_RENAMES: list[tuple[str, str]] = [
+    ("encoder.down.{i}.block.", "encoder.down_blocks.{i}.resnets."),
+    ("encoder.down.{i}.downsample.", "encoder.down_blocks.{i}.downsamplers.0."),
+    ("decoder.up.{i}.block.", "decoder.up_blocks.{r}.resnets."),
+    ("decoder.up.{i}.upsample.", "decoder.up_blocks.{r}.upsamplers.0."),
+    (".mid.block_1.", ".mid_block.resnets.0."),
+    (".mid.block_2.", ".mid_block.resnets.1."),
+    *((f".mid.attn_1.{a}.", f".mid_block.attentions.0.{b}.") for a, b in _ATTN.items()),
+    (".nin_shortcut.", ".conv_shortcut."),
+    (".norm_out.", ".conv_norm_out."),
+]
+
+
+def _rename(key: str, rules: list[tuple[str, str]], n_up: int) -> str:
+    """``key`` through ``rules`` (``(from, to)`` pairs of :data:`_RENAMES`): indexed parts at the
+    start of the name, the others wherever they occur."""
+    for src, dst in rules:
+        if "{" not in src:
+            key = key.replace(src, dst)
+            continue
+        reverse = "{r}" in src + dst
+        pattern = "^" + re.escape(src).replace(r"\{i\}", r"(\d+)").replace(r"\{r\}", r"(\d+)")
+
+        def index(m: re.Match[str], dst: str = dst, reverse: bool = reverse) -> str:
+            i = int(m.group(1))
+            j = str(n_up - 1 - i if reverse else i)
+            return dst.replace("{i}", j).replace("{r}", j)
+
+        key = re.sub(pattern, index, key)
+    return key
 
 
 def flux_to_diffusers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -90,11 +100,14 @@ def flux_to_diffusers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     n_up = _levels(state, "decoder", "up")
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        new = _rename_flux(key, n_up)
+        new = _rename(key, _RENAMES, n_up)
         if ".attentions.0.to_" in new and new.endswith(".weight") and value.ndim == 4:
             value = value[:, :, 0, 0]
         out[new] = value
     return out
+
+
+_INVERSE = [(d, f) for f, d in _RENAMES]
 
 
 def diffusers_to_flux(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -102,29 +115,7 @@ def diffusers_to_flux(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     n_up = _levels(state, "decoder", "up_blocks")
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        k = key
-        k = re.sub(r"^encoder\.down_blocks\.(\d+)\.resnets\.", r"encoder.down.\1.block.", k)
-        k = re.sub(
-            r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample.", k
-        )
-        k = re.sub(
-            r"^decoder\.up_blocks\.(\d+)\.resnets\.",
-            lambda m: f"decoder.up.{n_up - 1 - int(m.group(1))}.block.",
-            k,
-        )
-        k = re.sub(
-            r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.",
-            lambda m: f"decoder.up.{n_up - 1 - int(m.group(1))}.upsample.",
-            k,
-        )
-        k = re.sub(r"\.mid_block\.resnets\.0\.", ".mid.block_1.", k)
-        k = re.sub(r"\.mid_block\.resnets\.1\.", ".mid.block_2.", k)
-        k = re.sub(
-            r"\.mid_block\.attentions\.0\.(group_norm|to_q|to_k|to_v|to_out\.0)\.",
-            lambda m: f".mid.attn_1.{_ATTN_INV[m.group(1)]}.",
-            k,
-        )
-        k = k.replace(".conv_shortcut.", ".nin_shortcut.").replace(".conv_norm_out.", ".norm_out.")
+        k = _rename(key, _INVERSE, n_up)
         if ".mid.attn_1." in k and k.endswith(".weight") and value.ndim == 2:
             value = value[:, :, None, None]
         out[k] = value

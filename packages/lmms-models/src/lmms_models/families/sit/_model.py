@@ -16,7 +16,6 @@ buffer), so one model takes every resolution bucket.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...parts.latent import sincos_2d
+from ...parts.latent import GeluMlp, TimestepEmbedder, sincos_2d, timestep_features
 
 __all__ = ["SiT", "SiTBlock", "SiTConfig", "sincos_2d", "timestep_features"]
 
@@ -57,25 +56,8 @@ class SiTConfig:
         return asdict(self)
 
 
-def timestep_features(t: torch.Tensor, dim: int = 256, max_period: float = 10000.0) -> torch.Tensor:
-    """Sinusoidal features ``[B, dim]`` (cos first) of continuous times ``t [B]``."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device) / half)
-    args = t.float()[:, None] * freqs[None]  # [B, half]
-    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-
-
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x * (1 + scale[:, None]) + shift[:, None]  # x [B, N, H], shift/scale [B, H]
-
-
-class _Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
 class _Attention(nn.Module):
@@ -100,7 +82,7 @@ class SiTBlock(nn.Module):
         self.norm1 = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
         self.attn = _Attention(h, cfg.num_heads)
         self.norm2 = nn.LayerNorm(h, elementwise_affine=False, eps=1e-6)
-        self.mlp = _Mlp(h, cfg.mlp_hidden)
+        self.mlp = GeluMlp(h, cfg.mlp_hidden, h)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(h, 6 * h))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -121,17 +103,6 @@ class _FinalLayer(nn.Module):
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
         return self.linear(_modulate(self.norm_final(x), shift, scale))
-
-
-class _TimestepEmbedder(nn.Module):
-    def __init__(self, h: int, freq_dim: int = 256) -> None:
-        super().__init__()
-        self.freq_dim = freq_dim
-        self.mlp = nn.Sequential(nn.Linear(freq_dim, h), nn.SiLU(), nn.Linear(h, h))
-
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        feats = timestep_features(t, self.freq_dim)
-        return self.mlp(feats.to(self.mlp[0].weight.dtype))
 
 
 class _LabelEmbedder(nn.Module):
@@ -163,7 +134,7 @@ class SiT(nn.Module):
             raise ValueError("SiT: hidden_size must divide by num_heads and by 4")
         self.config = cfg
         self.x_embedder = _PatchEmbed(cfg)
-        self.t_embedder = _TimestepEmbedder(cfg.hidden_size)
+        self.t_embedder = TimestepEmbedder(cfg.hidden_size)
         self.y_embedder = _LabelEmbedder(cfg.num_classes, cfg.hidden_size)
         self.blocks = nn.ModuleList(SiTBlock(cfg) for _ in range(cfg.depth))
         self.final_layer = _FinalLayer(cfg)
