@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _diffusion_cases import sit_pixel_batch
 
 from lmms_models import _flow_matching as fm
 from lmms_models import get_model_spec
@@ -82,13 +83,7 @@ def test_sit_objective_through_spec_and_gradients() -> None:
     model = spec.build(config=spec.tiny_config())
     _randomize(model, seed=3)
     obj = get_objective("flow_matching", cfg_dropout=0.5, time_sampling="logit_normal")
-    g = torch.Generator().manual_seed(2)
-    batch = {
-        "pixel_values": torch.randn(4, 3, 8, 8, generator=g),
-        "class_labels": torch.tensor([0, 1, 2, 3]),
-        "noise_seed": torch.tensor([11, 12, 13, 14]),
-        "num_loss_tokens": 4,
-    }
+    batch = sit_pixel_batch()
     out = obj.loss(spec, model, batch, ObjectiveContext(seed=5))
     # the same computation by hand, from the documented draws
     from lmms_models.objectives.flow_matching import sample_seeds

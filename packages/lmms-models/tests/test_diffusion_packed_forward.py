@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _diffusion_cases import sit_pixel_batch
 
 from lmms_models import get_model_spec
 from lmms_models.objectives import ObjectiveContext, get_objective
@@ -19,13 +20,7 @@ def test_sit_packed_forward_is_its_flow_matching_loss():
     with torch.no_grad():  # SiT zero-initialises its output layer: make every output count
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
-    g = torch.Generator().manual_seed(2)
-    batch = {
-        "pixel_values": torch.randn(4, 3, 8, 8, generator=g),
-        "class_labels": torch.tensor([0, 1, 2, 3]),
-        "noise_seed": torch.tensor([11, 12, 13, 14]),
-        "num_loss_tokens": 4,
-    }
+    batch = sit_pixel_batch()
     loss_sum, count = spec.packed_forward(model, batch)
     obj = get_objective(spec.default_objective, **spec.objective_defaults)
     ref = obj.loss(spec, model, batch, ObjectiveContext(seed=0))

@@ -221,6 +221,20 @@ class DiffusionSpec(BuildSpec, GeneratesLatents):
         """:meth:`diffusion_inputs` with explicit encoders (also the precompute stage's)."""
         raise NotImplementedError
 
+    def batch_latents(
+        self, encoders: dict[str, nn.Module], batch: dict[str, Any], device: Any
+    ) -> torch.Tensor:
+        """The batch's ``latents`` in float32 on ``device``, or its ``pixel_values`` (in [-1, 1])
+        through the VAE (:meth:`encode_pixels`)."""
+        if "latents" in batch:
+            return batch["latents"].to(device, torch.float32)
+        vae = on_device(encoders, "vae", device)
+        return self.encode_pixels(vae, batch["pixel_values"].to(device, torch.float32))
+
+    def encode_pixels(self, vae: nn.Module | None, pixels: torch.Tensor) -> torch.Tensor:
+        """The latents of ``pixels`` under the frozen ``vae`` (None: the config has none)."""
+        raise NotImplementedError
+
     def drop_condition(self, model: nn.Module, cond: Any, drop: torch.Tensor) -> Any:
         """The condition with samples ``drop [B]`` replaced by the null condition (CFG)."""
         raise NotImplementedError

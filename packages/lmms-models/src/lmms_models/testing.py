@@ -11,7 +11,7 @@ The packer here is deliberately naive (concatenate in order); lmms-pack is the r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,14 @@ from torch import nn
 from ._rows import shift_labels_packed
 from ._spec import IGNORE_INDEX, ModelSpec
 
-__all__ = ["SampleSpec", "make_sample", "pack_rows", "pack_samples", "reference_loss_sum"]
+__all__ = [
+    "SampleSpec",
+    "make_sample",
+    "pack_rows",
+    "pack_samples",
+    "reference_loss_sum",
+    "upstream_loss_sum",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -156,10 +163,35 @@ def pack_samples(
 def reference_loss_sum(
     spec: ModelSpec, model: nn.Module, samples: Sequence[dict[str, torch.Tensor]]
 ) -> tuple[torch.Tensor, int]:
+    """Σ over samples of (upstream mean loss × supervised tokens), and the token count
+    (:func:`upstream_loss_sum`; the media: the family's ``reference_media``, or the Qwen-VL
+    entries, with the token types where positions have several rows)."""
+    own = getattr(spec, "reference_media", None)  # the upstream call's media arguments
+
+    def media(s: dict[str, Any]) -> dict[str, Any]:
+        if own is not None:
+            return own(s)
+        out = {k: s[k] for k in _VL_MEDIA if k in s}
+        if spec.position_rows > 1:
+            out["mm_token_type_ids"] = spec.mm_token_type_ids(model.config, s["input_ids"][None])  # type: ignore[attr-defined]
+        return out
+
+    return upstream_loss_sum(model, samples, media)
+
+
+_VL_MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def upstream_loss_sum(
+    model: nn.Module,
+    samples: Sequence[dict[str, Any]],
+    media: Callable[[dict[str, Any]], dict[str, Any]],
+) -> tuple[torch.Tensor, int]:
     """Σ over samples of (upstream mean loss × supervised tokens), and the token count.
 
     Each sample runs alone through the upstream ``model(...)`` with ``labels`` (the upstream loss,
-    positions and media handling). Samples without a supervised next token add nothing.
+    positions and media handling) and ``media(sample)``'s arguments. Samples without a
+    supervised next token add nothing.
     """
     total = torch.zeros(())
     count = 0
@@ -167,20 +199,9 @@ def reference_loss_sum(
         n = int((s["labels"][1:] != IGNORE_INDEX).sum())
         if n == 0:
             continue
-        kwargs: dict[str, Any] = {
-            "input_ids": s["input_ids"][None],
-            "labels": s["labels"][None],
-            "use_cache": False,
-        }
-        own = getattr(spec, "reference_media", None)  # the upstream call's media arguments
-        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-            if key in s and own is None:
-                kwargs[key] = s[key]
-        if own is not None:
-            kwargs.update(own(s))
-        elif spec.position_rows > 1:
-            kwargs["mm_token_type_ids"] = spec.mm_token_type_ids(model.config, kwargs["input_ids"])  # type: ignore[attr-defined]
-        out = model(**kwargs)
+        out = model(
+            input_ids=s["input_ids"][None], labels=s["labels"][None], use_cache=False, **media(s)
+        )
         total = total + out.loss.float() * n
         count += n
     return total, count

@@ -20,7 +20,7 @@ from torch import nn
 
 from ._audio import AUDIO_TYPE_ID, whisper_lengths
 from ._spec import IGNORE_INDEX, ModelSpec
-from .testing import pack_rows
+from .testing import pack_rows, upstream_loss_sum
 
 __all__ = [
     "AudioSampleSpec",
@@ -110,28 +110,18 @@ def pack_audio_samples(
 def audio_reference_loss_sum(
     spec: ModelSpec, model: nn.Module, samples: Sequence[dict[str, torch.Tensor]]
 ) -> tuple[torch.Tensor, int]:
-    """Σ over samples of (upstream mean loss × supervised tokens), and the token count."""
-    total = torch.zeros(())
-    count = 0
-    for s in samples:
-        n = int((s["labels"][1:] != IGNORE_INDEX).sum())
-        if n == 0:
-            continue
-        kwargs: dict[str, Any] = {
-            "input_ids": s["input_ids"][None],
-            "labels": s["labels"][None],
-            "use_cache": False,
-        }
-        if "ref_features" in s:
-            feats, mask = getattr(
-                spec, "reference_audio_keys", ("input_features", "feature_attention_mask")
-            )
-            kwargs[feats], kwargs[mask] = s["ref_features"], s["ref_mask"]
-        kwargs.update(s.get("ref_kwargs", {}))
-        out = model(**kwargs)
-        total = total + out.loss.float() * n
-        count += n
-    return total, count
+    """Σ over samples of (upstream mean loss × supervised tokens), and the token count
+    (:func:`~lmms_models.testing.upstream_loss_sum` with each sample's padded audio windows and
+    ``ref_kwargs``)."""
+    feats, mask = getattr(
+        spec, "reference_audio_keys", ("input_features", "feature_attention_mask")
+    )
+
+    def media(s: dict[str, Any]) -> dict[str, Any]:
+        out = {feats: s["ref_features"], mask: s["ref_mask"]} if "ref_features" in s else {}
+        return {**out, **s.get("ref_kwargs", {})}
+
+    return upstream_loss_sum(model, samples, media)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..._capabilities import RenderRequest, Renders
-from ..._diffusion import DiffusionSpec, call_denoiser, on_device
+from ..._diffusion import DiffusionSpec, call_denoiser
 from ..._registry import register_model
 from ...parts.latent import encode_latents
 from ._model import SiT, SiTBlock, SiTConfig, sincos_2d, timestep_features
@@ -82,13 +82,12 @@ class SiTSpec(DiffusionSpec, Renders):
     def encode_batch(
         self, encoders: dict[str, nn.Module], batch: dict[str, Any], device: Any
     ) -> tuple[torch.Tensor, Any]:
-        if "latents" in batch:
-            x1 = batch["latents"].to(device, torch.float32)
-        else:
-            pixels = batch["pixel_values"].to(device, torch.float32)  # [B, 3, H, W] in [-1, 1]
-            vae = on_device(encoders, "vae", device)
-            x1 = pixels if vae is None else encode_latents(vae, pixels)
+        x1 = self.batch_latents(encoders, batch, device)
         return x1, batch["class_labels"].to(device, torch.int64)
+
+    def encode_pixels(self, vae: nn.Module | None, pixels: torch.Tensor) -> torch.Tensor:
+        """``pixels [B, 3, H, W]`` through the VAE; without one SiT runs in pixel space."""
+        return pixels if vae is None else encode_latents(vae, pixels)
 
     def drop_condition(self, model: nn.Module, cond: Any, drop: torch.Tensor) -> Any:
         return torch.where(drop, torch.full_like(cond, model.config.num_classes), cond)

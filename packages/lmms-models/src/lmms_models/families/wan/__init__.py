@@ -139,13 +139,7 @@ class WanSpec(DiffusionSpec, Renders):
     def encode_batch(
         self, encoders: dict[str, nn.Module], batch: dict[str, Any], device: Any
     ) -> tuple[torch.Tensor, Any]:
-        if "latents" in batch:
-            x1 = batch["latents"].to(device, torch.float32)
-        else:
-            vae = on_device(encoders, "vae", device)
-            if vae is None:
-                raise ValueError("wan: pixel_values need a VAE (model config key 'vae')")
-            x1 = encode_video(vae, batch["pixel_values"].to(device, torch.float32))
+        x1 = self.batch_latents(encoders, batch, device)
         if "text_embeds" in batch:
             text = batch["text_embeds"].to(device, torch.float32)
         else:
@@ -157,6 +151,12 @@ class WanSpec(DiffusionSpec, Renders):
             ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             text = encode_text(enc, ids, mask)
         return x1, text
+
+    def encode_pixels(self, vae: nn.Module | None, pixels: torch.Tensor) -> torch.Tensor:
+        """``pixels [B, 3, F, H, W]`` through Wan's VAE (normalised latents)."""
+        if vae is None:
+            raise ValueError("wan: pixel_values need a VAE (model config key 'vae')")
+        return encode_video(vae, pixels)
 
     def drop_condition(self, model: nn.Module, cond: Any, drop: torch.Tensor) -> Any:
         return cond * (~drop).to(cond.dtype)[:, None, None]
