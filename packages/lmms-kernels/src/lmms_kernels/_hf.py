@@ -93,19 +93,7 @@ def _boundaries(
 
 
 def _make_attention_fn(backend: str, wrapper: Callable | None) -> Callable:
-    def inner(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, softmax_scale=None, backend=backend):
-        return varlen_attention(
-            q,
-            k,
-            v,
-            cu_q,
-            cu_k,
-            max_q,
-            max_k,
-            causal=causal,
-            softmax_scale=softmax_scale,
-            backend=backend,
-        )
+    inner = functools.partial(varlen_attention, backend=backend)
 
     def attention(
         module: torch.nn.Module,
