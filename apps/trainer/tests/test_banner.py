@@ -33,6 +33,32 @@ def test_plain_console_lines_have_readable_values_and_eta(capsys):
     assert "elapsed 8.0s eta 8.0s" in line  # 2 s per step, 4 steps to go
 
 
+def test_epochs_run_counts_its_eta_down_to_the_first_pass_estimate(capsys, monkeypatch):
+    """`max_steps: -1` with 3 passes: no ETA until the first pass ends (step 4 here), then
+    3 x 4 = 12 steps are the run's length, on the plain lines and on the progress bar."""
+    sink = ConsoleSink(total=-1, passes=3)
+    sink.started -= 4.0  # 1 s a step
+    for step in range(1, 4):
+        sink.log(step, {"loss": 1.0, "data_passes": 0})
+    before = capsys.readouterr().err
+    assert "step 3 loss" in before and "eta" not in before
+    sink.log(4, {"loss": 1.0, "data_passes": 1})
+    sink.log(5, {"loss": 1.0, "data_passes": 1})
+    after = capsys.readouterr().err.splitlines()
+    assert "the first pass over the data took 4 steps: about 12 steps for 3 pass(es)" in after[0]
+    assert after[1].startswith("[lmms-train] step 4/12 ") and " eta " in after[1]
+    assert after[2].startswith("[lmms-train] step 5/12 ")
+
+    from tqdm import tqdm
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+    bar_sink = ConsoleSink(total=-1, passes=2)
+    assert isinstance(bar_sink._bar, tqdm) and bar_sink._bar.total is None  # no length yet
+    bar_sink.log(5, {"loss": 1.0, "data_passes": 1})
+    assert bar_sink._bar.total == 10
+    bar_sink.close()
+
+
 def test_end_summary_says_where_things_are(tmp_path):
     (tmp_path / "checkpoints" / "step_000010").mkdir(parents=True)
     (tmp_path / "metrics.png").write_bytes(b"png")

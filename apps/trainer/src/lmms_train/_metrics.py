@@ -92,7 +92,8 @@ class ConsoleSink:
             try:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+                self._bar = tqdm(total=total if total > 0 else None, initial=initial,
+                                 desc="train", dynamic_ncols=True)  # fmt: skip
             except ImportError:
                 self._bar = None
 
@@ -129,6 +130,8 @@ class ConsoleSink:
         estimated as `passes` x the steps that pass took (the ETA counts down to it)."""
         if self.total <= 0 and self.passes and metrics.get("data_passes", 0) >= 1:
             self.total = self.passes * step
+            if self._bar is not None:  # the bar's ETA counts down to it too
+                self._bar.total = self.total
             print(
                 f"[lmms-train] the first pass over the data took {step:,} steps: about "
                 f"{self.total:,} steps for {self.passes} pass(es)",
