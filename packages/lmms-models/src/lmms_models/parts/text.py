@@ -18,11 +18,15 @@ from .._spec import ModelSpec
 
 __all__ = [
     "PREPARED_MASK_SHAPE",
+    "QWEN2_LIGER_PLAN",
     "TINY_TEXT_IDS",
     "Qwen2DecoderPart",
     "prepared_empty_mask",
     "tiny_text",
 ]
+
+#: Liger (lmms_kernels.apply_liger) on the Qwen2 decoder, in every family that has one.
+QWEN2_LIGER_PLAN = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}
 
 #: BOS/EOS of the tiny presets' text configs (inside the tiny vocab of 1024).
 TINY_TEXT_IDS = {"bos_token_id": 1004, "eos_token_id": 1005}
@@ -77,7 +81,7 @@ class Qwen2DecoderPart(ModelSpec):
 
     tp_plan = QWEN2_TP_PLAN
     tp_sp_plan = QWEN2_TP_SP_PLAN
-    liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
+    liger_plan = QWEN2_LIGER_PLAN
     config_class = "Qwen2Config"
     model_class = "Qwen2ForCausalLM"
     mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch

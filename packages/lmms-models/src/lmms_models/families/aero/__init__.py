@@ -17,6 +17,7 @@ from ..._build import BuildSpec, build_hf_style
 from ..._registry import register_model
 from ..._vl import merge_tiny
 from ...parts.audio_lm import AudioLMSpec
+from ...parts.text import QWEN2_LIGER_PLAN
 from ._model import AeroConfig, AeroForConditionalGeneration
 
 __all__ = ["AERO_1_5B", "AeroConfig", "AeroForConditionalGeneration", "AeroSpec"]
@@ -60,9 +61,7 @@ _TINY: dict[str, Any] = {
 @register_model("aero")
 class AeroSpec(BuildSpec, AudioLMSpec):
     processor_family = "qwen2_audio"
-    #: Liger (lmms_kernels.apply_liger): the Qwen2 decoder (the Whisper-style encoder: LayerNorm +
-    #: GELU)
-    liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
+    liger_plan = QWEN2_LIGER_PLAN  # the Whisper-style encoder's LayerNorm and GELU stay upstream
     mask_mapping = True  # its Qwen2 decoder: `isinstance(attention_mask, dict)` branch
     presets = {"1.5b": AERO_1_5B}  # noqa: RUF012
     reference_audio_keys = ("audio_values", "audio_attention_mask")

@@ -33,7 +33,7 @@ from ... import _flops
 from ..._registry import register_model
 from ..._spec import ModelSpec, to_device
 from ..._vl import merge_tiny
-from ...parts.text import TINY_TEXT_IDS, tiny_text
+from ...parts.text import QWEN2_LIGER_PLAN, TINY_TEXT_IDS, tiny_text
 
 __all__ = ["LLAVA_ONEVISION_0_5B", "LLAVA_ONEVISION_7B", "LlavaOnevisionSpec"]
 
@@ -115,9 +115,7 @@ _MEDIA_KEYS = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_
 @register_model("llava_onevision")
 class LlavaOnevisionSpec(ModelSpec):
     processor_family = "llava_onevision"
-    #: Liger (lmms_kernels.apply_liger): the Qwen2 decoder (SigLIP's LayerNorm and GELU MLP stay
-    #: upstream)
-    liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
+    liger_plan = QWEN2_LIGER_PLAN  # SigLIP's LayerNorm and GELU MLP stay upstream
     config_class = "LlavaOnevisionConfig"
     model_class = "LlavaOnevisionForConditionalGeneration"
     mask_mapping = True  # Qwen2 decoder: `isinstance(attention_mask, dict)` branch

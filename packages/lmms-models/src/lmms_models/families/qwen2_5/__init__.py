@@ -37,5 +37,4 @@ QWEN2_5_1_5B = {
 @register_model("qwen2_5")
 class Qwen2_5Spec(Qwen2DecoderPart):
     processor_family = "qwen2_5"
-    liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
     presets = {"1.5b": QWEN2_5_1_5B, "3b": QWEN2_5_3B}  # noqa: RUF012

@@ -13,7 +13,7 @@ from typing import Any
 from ..._registry import register_model
 from ..._vl import merge_tiny
 from ...parts.audio_lm import AudioLMSpec
-from ...parts.text import TINY_TEXT_IDS, tiny_text
+from ...parts.text import QWEN2_LIGER_PLAN, TINY_TEXT_IDS, tiny_text
 
 __all__ = ["QWEN2_AUDIO_7B", "AudioLMSpec", "Qwen2AudioSpec"]
 
@@ -64,9 +64,7 @@ _TINY: dict[str, Any] = {
 @register_model("qwen2_audio")
 class Qwen2AudioSpec(AudioLMSpec):
     processor_family = "qwen2_audio"
-    #: Liger (lmms_kernels.apply_liger): the Qwen2 decoder (the Whisper-style encoder: LayerNorm +
-    #: GELU)
-    liger_plan = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}  # noqa: RUF012
+    liger_plan = QWEN2_LIGER_PLAN  # the Whisper-style encoder's LayerNorm and GELU stay upstream
     config_class = "Qwen2AudioConfig"
     model_class = "Qwen2AudioForConditionalGeneration"
     mask_mapping = True  # its Qwen2 decoder: `isinstance(attention_mask, dict)` branch
