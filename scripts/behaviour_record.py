@@ -1,7 +1,10 @@
 """Every tiny example's losses at two commits, compared (issue 35, point 6: behaviour unchanged).
 
     python scripts/behaviour_record.py record --tree DIR --out FILE.json [--steps 6] [--only TEXT]
+        [--reverse --until OTHER.json]     # a second process from the end, until the first's
+    python scripts/behaviour_record.py parity --tree DIR --out FIGURES.json [TESTS ...]
     python scripts/behaviour_record.py compare BEFORE.json AFTER.json [--md FILE.md]
+        [--parity BEFORE_FIGURES.json AFTER_FIGURES.json]
 
 `record` trains each `examples/*/*tiny*.yaml` of the checkout DIR (a `git worktree` of the commit)
 for `--steps` optimizer steps, each in its own scratch folder (the example's generated data and
@@ -13,8 +16,11 @@ commit's own code is imported (each run records the files its `lmms_*` modules c
 record fails if one is not under DIR). Per example: the per-step `loss`, `grad_norm`, `eval_loss`
 of its metrics.jsonl, the exit code, the wall time.
 
-`compare` prints (or writes as a Markdown table) each example's steps and whether the losses are
-bit-identical, with the largest absolute difference where they are not.
+`parity` runs the parity tests (default: lmms-models' test_packed_parity.py) of DIR the same way,
+with scripts/parity_figures.py recording each test's outcome, number of tensor comparisons and
+largest absolute difference. `compare` prints (or writes as Markdown tables) each example's steps
+and whether its losses, gradient norms and eval losses are bit-identical (the largest absolute
+loss difference where not), and the parity figures of both commits side by side.
 """
 
 from __future__ import annotations
@@ -89,22 +95,68 @@ def record_one(tree: Path, example: Path, steps: int, scratch: Path) -> dict:
     }
 
 
-def record(tree: Path, out: Path, steps: int, only: str) -> int:
+def _recorded(path: Path | None) -> set[str]:
+    try:
+        return set(json.loads(path.read_text())["examples"]) if path else set()
+    except (OSError, ValueError):
+        return set()
+
+
+def record(tree: Path, out: Path, steps: int, only: str, *, reverse: bool = False,
+           until: Path | None = None) -> int:  # fmt: skip
+    """`reverse` with `until` (another record's file, going forward): a second process that
+    starts from the end and stops where the first has got to."""
     tree = tree.resolve()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
                             text=True, check=True).stdout.strip()  # fmt: skip
     result = {"commit": commit, "tree": str(tree), "steps": steps, "python": sys.executable,
               "examples": {}}  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="lmms-behaviour-"))
-    for example in sorted((tree / "examples").glob("*/*tiny*.yaml")):
+    for example in sorted((tree / "examples").glob("*/*tiny*.yaml"), reverse=reverse):
         name = str(example.relative_to(tree))
         if only not in name:
             continue
+        if name in _recorded(until):
+            break
         r = record_one(tree, example, steps, root / name.replace("/", "__"))
         result["examples"][name] = r
         print(f"{r['returncode']:3d} {r['seconds']:7.1f}s {name} {r['loss']}", flush=True)
         out.write_text(json.dumps(result, indent=1))  # as it goes
     return 0
+
+
+PARITY_TESTS = ("packages/lmms-models/tests/test_packed_parity.py",)
+
+
+def parity(tree: Path, out: Path, tests: list[str]) -> int:
+    """Run the parity tests of the checkout `tree` with its own packages, recording each
+    comparison's figures (scripts/parity_figures.py) into `out`."""
+    tree = tree.resolve()
+    plugin = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": f"{_pythonpath(tree)}{os.pathsep}{plugin}",
+           "PYTHONDONTWRITEBYTECODE": "1", "PARITY_FIGURES_OUT": str(out)}  # fmt: skip
+    argv = [sys.executable, "-m", "pytest", "-p", "parity_figures", "-p", "no:cacheprovider",
+            "-q", *(tests or PARITY_TESTS)]  # fmt: skip
+    return subprocess.run(argv, cwd=tree, env=env).returncode
+
+
+def parity_markdown(before: dict, after: dict) -> str:
+    """Per parity test id of either commit: outcome, comparisons, largest |difference|."""
+    lines = ["| test | before: outcome, comparisons, max abs diff | after | same figures? |",
+             "|---|---|---|---|"]  # fmt: skip
+
+    def cell(f: dict | None) -> str:
+        if f is None:
+            return "-"
+        return f"{f.get('outcome', '?')}, {f['comparisons']}, {f['max_abs']:.3g}"
+
+    for test in sorted(set(before) | set(after)):
+        b, a = before.get(test), after.get(test)
+        same = "-" if b is None or a is None else (
+            "yes" if (b.get("outcome"), b["comparisons"], b["max_abs"])
+            == (a.get("outcome"), a["comparisons"], a["max_abs"]) else "no")  # fmt: skip
+        lines.append(f"| `{test}` | {cell(b)} | {cell(a)} | {same} |")
+    return "\n".join(lines) + "\n"
 
 
 def _diff(a: list, b: list) -> float | None:
@@ -123,7 +175,7 @@ def compare(before: dict, after: dict) -> list[dict]:
         elif b["returncode"] or a["returncode"] or not b["loss"]:
             row["equal"] = f"exit {b['returncode']} / {a['returncode']}"
         else:
-            same = b["loss"] == a["loss"] and b["eval_loss"] == a["eval_loss"]
+            same = all(b[k] == a[k] for k in ("loss", "grad_norm", "eval_loss"))
             row["equal"] = (
                 "identical" if same else f"differs (max {_diff(b['loss'], a['loss']):.3g})"
             )
@@ -152,6 +204,17 @@ def markdown(before: dict, after: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _merged(files: str) -> dict:
+    """One record from `A.json,B.json` (parts of one commit's record: `--reverse --until`)."""
+    parts = [json.loads(Path(f).read_text()) for f in files.split(",")]
+    if len({p["commit"] for p in parts}) != 1:
+        raise SystemExit(f"{files}: records of different commits")
+    merged = {**parts[0], "examples": {}}
+    for part in parts:
+        merged["examples"].update(part["examples"])
+    return merged
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -160,15 +223,28 @@ def main(argv: list[str]) -> int:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--steps", type=int, default=6)
     r.add_argument("--only", default="")
+    r.add_argument("--reverse", action="store_true")
+    r.add_argument("--until", type=Path)
+    q = sub.add_parser("parity")
+    q.add_argument("--tree", type=Path, required=True)
+    q.add_argument("--out", type=Path, required=True)
+    q.add_argument("tests", nargs="*")
     c = sub.add_parser("compare")
-    c.add_argument("before", type=Path)
-    c.add_argument("after", type=Path)
+    c.add_argument("before", help="its record (FILE.json, or FILE.json,PART2.json)")
+    c.add_argument("after")
     c.add_argument("--md", type=Path)
+    c.add_argument("--parity", nargs=2, metavar=("BEFORE.json", "AFTER.json"))
     args = p.parse_args(argv)
     if args.cmd == "record":
-        return record(args.tree, args.out, args.steps, args.only)
-    before, after = (json.loads(Path(f).read_text()) for f in (args.before, args.after))
+        return record(args.tree, args.out, args.steps, args.only, reverse=args.reverse,
+                      until=args.until)  # fmt: skip
+    if args.cmd == "parity":
+        return parity(args.tree, args.out, args.tests)
+    before, after = (_merged(f) for f in (args.before, args.after))
     text = markdown(before, after)
+    if args.parity:
+        figures = [json.loads(Path(f).read_text()) for f in args.parity]
+        text += "\n" + parity_markdown(*figures)
     if args.md:
         args.md.write_text(text)
     print(text, end="")
