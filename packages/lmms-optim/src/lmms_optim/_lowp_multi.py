@@ -31,6 +31,7 @@ __all__ = ["MultiPack", "lowp_adamw_multi_"]
 
 tl: Any = None  # triton.language, bound by _multi_kernel() on first use
 _sr: Any = None  # _lowp_triton's rounding helper, bound likewise (the interpreter reads globals)
+_address: Any = None  # the kernel's pointer helper, bound likewise
 _adamw: Any = None  # and its AdamW step helper
 _BLOCK = 1024
 # ---------------------------------------------------------------- every parameter in one launch
@@ -104,8 +105,10 @@ def lowp_adamw_multi_(
         host = host.pin_memory()
     dynamic = host.to(device, non_blocking=True)
     kernel = _multi_kernel()
-    tdt = _triton_dtypes()
     bf16 = torch.bfloat16
+    for t in (*pack.dtypes, grads[0].dtype):
+        if t not in (torch.float32, bf16):
+            raise ValueError(f"lowp_adamw_multi_: fp32 or bf16 tensors, got {t}")
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         kernel[(pack.chunk_index.numel(),)](
             pack.static, dynamic, pack.numel, pack.chunk_index, pack.chunk_start,
@@ -113,22 +116,15 @@ def lowp_adamw_multi_(
             *hp.kernel_scalars(),
             HAS_SCALE=grad_scale is not None, HAS_OUT=len(pack.dtypes) == 4,
             P_SR=stochastic and p_dt == bf16, S_SR=stochastic and s_dt == bf16,
-            P_DT=tdt[p_dt], G_DT=tdt[grads[0].dtype], S_DT=tdt[s_dt],
-            O_DT=tdt[pack.dtypes[-1]], CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4,
+            P_BF16=p_dt == bf16, G_BF16=grads[0].dtype == bf16, S_BF16=s_dt == bf16,
+            O_BF16=pack.dtypes[-1] == bf16, CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4,
         )  # fmt: skip
-
-
-def _triton_dtypes() -> dict[torch.dtype, Any]:
-    import triton.language as tlang
-
-    return {torch.float32: tlang.float32, torch.bfloat16: tlang.bfloat16,
-            torch.float16: tlang.float16}  # fmt: skip
 
 
 @functools.cache
 def _multi_kernel() -> Callable:
     """The one-launch kernel (built on first use, like :func:`_kernel`)."""
-    global tl, _sr, _adamw
+    global tl, _sr, _adamw, _address
     import triton
     import triton.language as tl
 
@@ -136,22 +132,31 @@ def _multi_kernel() -> Callable:
     _sr, _adamw = _lowp_triton._sr, _lowp_triton._adamw
 
     @triton.jit
+    def _address(table_ptr, i, BF16: tl.constexpr):
+        # a pointer of the row's dtype: literal dtypes (Triton builds no pointer type from a
+        # constexpr dtype argument when compiling for a GPU; its interpreter does)
+        if BF16:
+            return tl.load(table_ptr + i).to(tl.pointer_type(tl.bfloat16))
+        else:
+            return tl.load(table_ptr + i).to(tl.pointer_type(tl.float32))
+
+    @triton.jit
     def _lowp_adamw_multi_kernel(
         static_ptr, dynamic_ptr, numel_ptr, chunk_index_ptr, chunk_start_ptr, scale_ptr, n_params,
         decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, step_size,
         HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr, P_SR: tl.constexpr, S_SR: tl.constexpr,
-        P_DT: tl.constexpr, G_DT: tl.constexpr, S_DT: tl.constexpr, O_DT: tl.constexpr,
+        P_BF16: tl.constexpr, G_BF16: tl.constexpr, S_BF16: tl.constexpr, O_BF16: tl.constexpr,
         CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         c = tl.program_id(0)
         i = tl.load(chunk_index_ptr + c)
         start = tl.load(chunk_start_ptr + c)
         end = tl.minimum(start + CHUNK, tl.load(numel_ptr + i))
-        p_ptr = tl.load(static_ptr + i).to(tl.pointer_type(P_DT))
-        m_ptr = tl.load(static_ptr + n_params + i).to(tl.pointer_type(S_DT))
-        v_ptr = tl.load(static_ptr + 2 * n_params + i).to(tl.pointer_type(S_DT))
-        o_ptr = tl.load(static_ptr + 3 * n_params + i).to(tl.pointer_type(O_DT))
-        g_ptr = tl.load(dynamic_ptr + i).to(tl.pointer_type(G_DT))
+        p_ptr = _address(static_ptr, i, P_BF16)
+        m_ptr = _address(static_ptr + n_params, i, S_BF16)
+        v_ptr = _address(static_ptr + 2 * n_params, i, S_BF16)
+        o_ptr = _address(static_ptr + 3 * n_params, i, O_BF16)
+        g_ptr = _address(dynamic_ptr, i, G_BF16)
         seed = tl.load(dynamic_ptr + n_params + i)
         for base in range(start, end, BLOCK):
             offs = base + tl.arange(0, BLOCK)
@@ -168,10 +173,10 @@ def _multi_kernel() -> Callable:
                 if S_SR:
                     m = _sr(m, r1.to(tl.int32, bitcast=True))
                     v = _sr(v, r2.to(tl.int32, bitcast=True))
-            tl.store(p_ptr + offs, p.to(P_DT), mask=mask)
-            tl.store(m_ptr + offs, m.to(S_DT), mask=mask)
-            tl.store(v_ptr + offs, v.to(S_DT), mask=mask)
+            tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+            tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
             if HAS_OUT:
-                tl.store(o_ptr + offs, p.to(O_DT), mask=mask)
+                tl.store(o_ptr + offs, p.to(o_ptr.dtype.element_ty), mask=mask)
 
     return _lowp_adamw_multi_kernel
