@@ -10,6 +10,7 @@ lmms-models may not import lmms-data (DESIGN.md, "Dependencies flow one way"): a
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import itertools
 import re
@@ -150,7 +151,7 @@ class TrainData:
         return min(epochs, default=0)
 
 
-class DataSource:
+class DataSource(abc.ABC):
     """What the trainer asks of a family's data plan (`plan`: the spec's `lmms_models.DataPlan`).
 
     * `train()`: this rank's resumable training stream; `eval_rows()`: a callable giving the
@@ -176,11 +177,14 @@ class DataSource:
         if not path_exists(dcfg.dataset_path):
             raise UserError(f"dataset_config.dataset_path: {dcfg.dataset_path!r} does not exist")
 
+    @abc.abstractmethod
     def loader(self, dcfg: Any) -> Any:
-        raise NotImplementedError
+        """This rank's resumable loader of `dcfg` (`iter`, `state_dict`, `load_state_dict`,
+        `metrics`)."""
 
+    @abc.abstractmethod
     def check(self, num_records: int) -> Any:
-        raise NotImplementedError
+        """The `DataReport` of the first `num_records` records (`lmms-train check-data`)."""
 
     def train(self) -> TrainData:
         dcfg = self.dataset_config()
