@@ -1,42 +1,102 @@
 """``dpo`` on packed preference pairs == the per-pair unpacked reference (loss, metrics and the
-LoRA adapters' gradients), the reference being the same model with its adapters off."""
+LoRA adapters' gradients), the reference being the same model with its adapters off, on every
+registered family whose declared capabilities DPO accepts (``DPO.family_problem``: all causal,
+VL, audio and omni families; the diffusion transformers sit and wan are refused)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lmms_models import LoraOptions, apply_lora, get_model_spec
+from lmms_models import LoraOptions, apply_lora, get_model_spec, list_models
 from lmms_models.objectives import DPOOptions, ObjectiveContext, dpo_pair_losses, get_objective
 from lmms_models.testing import SampleSpec, make_sample, pack_samples, reference_loss_sum
+from lmms_models.testing_audio import (
+    AudioSampleSpec,
+    OmniSampleSpec,
+    audio_reference_loss_sum,
+    make_audio_sample,
+    make_omni_sample,
+    pack_audio_samples,
+)  # fmt: skip
 
 pytest.importorskip("peft")
+
+# flash-linear-attention's layers run Triton only: on CPU its reference is each document alone
+# through the packed forward (one segment), as in test_linear_families.py
+ONE_SEGMENT_REFERENCE = {"fla_gated_deltanet"}
+
+
+def _doc(spec, model, i: int, gen) -> dict:
+    """Document ``i`` of the pairs: text, with an image (and audio where the family takes them)
+    on even ``i``, in the sample layout of the family's own parity tests."""
+    keys, media = spec.media_keys, i % 2 == 0
+    if "input_features" in keys and "pixel_values" in keys:  # omni: its processor's layout
+        s = OmniSampleSpec(text=6 + i, images=[(1, 4, 4)] * media, audios=[150] * media)
+        return make_omni_sample(spec, model.config, s, gen=gen)
+    if "input_features" in keys:
+        s = AudioSampleSpec(text=6 + i, audios=[[37]] * media, prompt=3)
+        return make_audio_sample(spec, model.config, s, gen=gen)
+    images = [(1, 4, 4)] if media and "pixel_values" in keys else []
+    s = SampleSpec(text=6 + i, images=images, prompt=0 if images else 3)
+    return make_sample(spec, model.config, s, gen=gen)
 
 
 def _pairs(spec, model, n_pairs: int, gen):
     """(chosen, rejected) documents: the same prompt (and media), answers that differ."""
-    media = "pixel_values" in spec.media_keys
     docs = []
     for i in range(n_pairs):
-        images = [(1, 4, 4)] if media and i % 2 == 0 else []
-        s = SampleSpec(text=6 + i, images=images, prompt=0 if images else 3)
-        chosen = make_sample(spec, model.config, s, gen=gen)
-        rejected = {k: v.clone() for k, v in chosen.items()}
+        chosen = _doc(spec, model, i, gen)
+        rejected = {k: v.clone() if torch.is_tensor(v) else v for k, v in chosen.items()}
         k = 3 + i % 2  # the last k tokens are the answer; the rejected one differs
         L = chosen["input_ids"].numel()
         for d in (chosen, rejected):
+            d["labels"] = d["labels"].clone()
             d["labels"][: L - k] = -100
-        rejected["input_ids"][L - k :] = torch.randint(0, 500, (k,), generator=gen)
+        high = int(chosen["input_ids"][L - k :].max()) + 1  # plain text ids (below media ids)
+        rejected["input_ids"][L - k :] = torch.randint(0, high, (k,), generator=gen)
         rejected["labels"][L - k :] = rejected["input_ids"][L - k :]
         docs += [chosen, rejected]
     return docs
 
 
-@pytest.mark.parametrize(("name", "loss_type"), [("qwen2_5_vl", "sigmoid"), ("qwen3", "ipo")])
-def test_dpo_packed_matches_per_pair_reference(name, loss_type):
+def _logp(spec, model, doc) -> torch.Tensor:
+    """Σ log p of the document's answer, the document alone through the upstream model."""
+    if spec.name in ONE_SEGMENT_REFERENCE:
+        return -spec.packed_forward(model, pack_samples(spec, model, [doc]))[0]
+    if "input_features" in spec.media_keys:
+        return -audio_reference_loss_sum(spec, model, [doc])[0]
+    return -reference_loss_sum(spec, model, [doc])[0]
+
+
+def _pack(spec, model, docs, pad_to: int) -> dict:
+    if "input_features" in spec.media_keys:
+        return pack_audio_samples(spec, model, docs, pad_to=pad_to)
+    return pack_samples(spec, model, docs, pad_to=pad_to)
+
+
+DPO_FAMILIES = [
+    n for n in list_models() if get_objective("dpo").family_problem(get_model_spec(n)) is None
+]
+
+
+def test_dpo_accepts_every_causal_and_vl_family():
+    refused = sorted(set(list_models()) - set(DPO_FAMILIES))
+    # sit and wan: diffusion transformers (no LM head); bagel: its rows are packed by the model
+    # (ModelPackedRows), not lmms-data's preference pairs
+    assert refused == ["bagel", "sit", "wan"]
+    for name in refused:
+        assert "dpo" in get_objective("dpo").family_problem(get_model_spec(name))
+    assert {"qwen2_5_vl", "qwen3_vl", "llava_onevision", "qwen3", "llama"} <= set(DPO_FAMILIES)
+
+
+@pytest.mark.parametrize("name", DPO_FAMILIES)
+def test_dpo_packed_matches_per_pair_reference(name):
+    loss_type = "ipo" if DPO_FAMILIES.index(name) % 2 else "sigmoid"  # both forms across families
     torch.manual_seed(0)
     spec = get_model_spec(name)
-    model = spec.build(config=spec.tiny_config(), attn_backend="sdpa")
+    attn = "varlen_sdpa" if name in ONE_SEGMENT_REFERENCE else "sdpa"
+    model = spec.build(config=spec.tiny_config(), attn_backend=attn)
     handle = apply_lora(spec, model, LoraOptions(rank=4, alpha=8.0), seed=1)
     with torch.no_grad():  # B = 0 would make the policy the reference (zero margins, no grad A)
         g = torch.Generator().manual_seed(2)
@@ -48,7 +108,7 @@ def test_dpo_packed_matches_per_pair_reference(name, loss_type):
 
     # reference: every document alone through the upstream model (its own positions and media)
     def logps():
-        return torch.stack([-reference_loss_sum(spec, model, [d])[0] for d in docs])
+        return torch.stack([_logp(spec, model, d) for d in docs])
 
     with torch.no_grad(), handle.disabled():
         ref = logps()
@@ -60,7 +120,7 @@ def test_dpo_packed_matches_per_pair_reference(name, loss_type):
     model.zero_grad(set_to_none=True)
 
     total = sum(d["input_ids"].numel() for d in docs)
-    batch = pack_samples(spec, model, docs, pad_to=total + 5)
+    batch = _pack(spec, model, docs, pad_to=total + 5)
     batch["sample_segments"] = torch.full((len(docs) // 2,), 2)
     spec.set_attention(model, backend="varlen_sdpa")
     objective = get_objective("dpo", beta=0.5, loss_type=loss_type)

@@ -102,6 +102,22 @@ class DPO(Objective):
     def needs_reference(self) -> bool:
         return self.options.reference == "adapters_off"
 
+    @classmethod
+    def family_problem(cls, spec: Any) -> str | None:
+        """Besides a language model: rows of token documents (the family's declared data plan),
+        which lmms-data's preference processor fills with chosen/rejected pairs. A family whose
+        rows are packed by the model (``ModelPackedRows``, e.g. BAGEL's interleaved parts) has no
+        such pairs."""
+        from .._data_plan import ModelPackedRows
+
+        problem = super().family_problem(spec)
+        if problem is None and isinstance(spec.data_plan(spec.tiny_config), ModelPackedRows):
+            problem = (
+                f"objective 'dpo' trains on token rows of preference pairs; {spec.name}'s rows "
+                "are packed by the model (its own data plan), which has no preference pairs"
+            )
+        return problem
+
     def count_tokens(self, batch: dict[str, Any]) -> int:
         segs = batch.get("sample_segments")
         if segs is None:
