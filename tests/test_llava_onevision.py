@@ -111,11 +111,11 @@ def test_processed_pack_matches_upstream_per_record(setup, tmp_path):
 def test_vision_imbalance_is_max_over_mean():
     from types import SimpleNamespace
 
-    from lmms_train._loop import _vision_imbalance
+    from lmms_train._step_metrics import vision_imbalance
 
     env = SimpleNamespace(dp_size=4)
-    assert _vision_imbalance(6.0, 12.0, env) == {"perf/vision_flops_imbalance": 2.0}
-    assert _vision_imbalance(0.0, 0.0, env) == {}  # no media this step
+    assert vision_imbalance(6.0, 12.0, env) == {"perf/vision_flops_imbalance": 2.0}
+    assert vision_imbalance(0.0, 0.0, env) == {}  # no media this step
 
 
 def test_released_processor_settings_match_the_presets():

@@ -10,17 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lmms_train._convert_config import (
+from lmms_train._convert_config import convert, looks_like_lmms_engine, render
+from lmms_train._convert_tables import (
     _HF_DEFAULT_ONLY,
     _HF_IGNORED,
-    _SAME,
-    convert,
-    looks_like_lmms_engine,
-    render,
-)
-from lmms_train._convert_tables import (
     _LIGER_TOGGLES,
     _MODEL_TYPES,
+    _SAME,
     _SAME_AS_OURS,
     _TRAINERS,
     _VIDEO_EXTRA,

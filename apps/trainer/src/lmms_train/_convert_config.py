@@ -22,14 +22,10 @@ from lmms_train._convert_tables import (
     _ATTENTION,
     _DATASET_TYPES,
     _ENGINE_MARKS,
-    _FREEZE,
     _HF_DEFAULT_ONLY,
-    _HF_IGNORED,
     _LIGER_TOGGLES,
     _MODEL_TYPES,
-    _SAME,
     _SAME_AS_OURS,
-    _SCHEDULES,
     _SECTIONS,
     _TEXT_DATASET_TYPES,
     _TRAINERS,
@@ -37,6 +33,7 @@ from lmms_train._convert_tables import (
     DOC,
     _registered_dataset_types,
 )
+from lmms_train._convert_trainer import convert_trainer_args
 
 __all__ = ["Conversion", "accept_engine", "convert", "looks_like_lmms_engine", "render"]
 
@@ -401,145 +398,7 @@ class _Converter:
         self.problem(src, value, home)
 
     def trainer(self, t: dict[str, Any]) -> None:
-        from lmms_train.config._schema import TrainerArgs
-
-        known = tuple(TrainerArgs.__dataclass_fields__)
-        max_steps = t.get("max_steps")
-        has_steps = isinstance(max_steps, int) and max_steps > 0
-        batch = t.get("per_device_train_batch_size") or 1
-        accum = t.get("gradient_accumulation_steps") or 1
-        for key, value in t.items():
-            src = f"trainer_args.{key}"
-            if key in _SAME:
-                if value is not None:
-                    self.set(f"trainer_args.{key}", value)
-            elif key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-                self.set("trainer_args.gradient_accumulation_steps", int(batch) * int(accum),
-                         src, "micro-batches per step = per_device_train_batch_size x "
-                         "gradient_accumulation_steps; each micro-batch is one packed row")  # fmt: skip
-            elif key == "max_steps":
-                if has_steps:
-                    self.set("trainer_args.max_steps", value)
-                elif "num_train_epochs" not in t:
-                    self.problem(src, value, "lmms-train runs for trainer_args.max_steps, or "
-                                 "max_steps: -1 with dataset_config.num_epochs")  # fmt: skip
-            elif key == "deepspeed":
-                if value:
-                    self.drop(src, "lmms-train shards with FSDP2 (ZeRO-3-like; "
-                              "trainer_args.fsdp, dp_replicate, fsdp_cpu_offload): the DeepSpeed "
-                              "JSON is not read")  # fmt: skip
-            elif key == "num_train_epochs":
-                if has_steps:
-                    self.drop(src, "max_steps is set and wins (as in HF); the data repeats")
-                else:
-                    self.set("dataset_config.num_epochs", max(1, round(value or 1)), src,
-                             "with trainer_args.max_steps: -1 the run ends after this many "
-                             "passes over the data")  # fmt: skip
-                    self.set("trainer_args.max_steps", -1)
-            elif key == "dataloader_num_workers":
-                self.set("dataset_config.num_workers", value, src)
-            elif key == "dataloader_prefetch_factor":
-                if value is not None:
-                    self.set("dataset_config.prefetch_factor", value, src)
-            elif key == "gradient_checkpointing":
-                mode = "full" if value else "none"
-                self.set("trainer_args.activation_checkpointing", mode, src)
-            elif key == "fsdp2":
-                self.drop(src, "FSDP2 is how lmms-train shards on several processes "
-                               "(trainer_args.fsdp: null); one process uses fp32 master weights")  # fmt: skip
-            elif key == "fsdp_config":
-                for k, v in (value or {}).items():
-                    if k == "reshard_after_forward":
-                        self.set("trainer_args.reshard_after_forward", bool(v), f"{src}.{k}")
-                    elif k == "cpu_offload" or k == "offload_params":
-                        self.set("trainer_args.fsdp_cpu_offload", bool(v), f"{src}.{k}")
-                    else:
-                        self.drop(f"{src}.{k}", "lmms_models wraps every decoder and vision block")
-            elif key == "fsdp":
-                if isinstance(value, bool) or value is None:  # lmms-train's own key
-                    self.set("trainer_args.fsdp", value)
-                elif value not in ([], ""):
-                    self.drop(src, "FSDP2 full sharding on several processes")
-            elif key == "lr_scheduler_type":
-                self.schedule(src, value, t.get("lr_scheduler_kwargs") or {})
-            elif key == "lr_scheduler_kwargs":
-                continue  # read with lr_scheduler_type
-            elif key == "report_to":
-                self.report(src, value)
-            elif key == "resume_from_checkpoint":
-                if value:
-                    self.set("trainer_args.resume_from", "latest" if value is True else value, src)
-            elif key == "freeze_modules":
-                if value:
-                    self.set("trainer_args.freeze", [_FREEZE.get(v, v) for v in value], src)
-            elif key == "use_muon":
-                if value:
-                    self.set("trainer_args.optimizer", "muon", src)
-            elif key == "optim":
-                if str(value).startswith("adamw") or value is None:
-                    if not t.get("use_muon"):
-                        self.set("trainer_args.optimizer", "adamw", src, "fused AdamW")
-                elif value == "muon":
-                    self.set("trainer_args.optimizer", "muon", src)
-                else:
-                    self.problem(src, value, "trainer_args.optimizer is adamw or muon")
-            elif key == "torch_compile":
-                self.set("trainer_args.compile", bool(value), src)
-            elif key in ("enable_profiler", "profiler_config"):
-                if key == "enable_profiler" and value:
-                    pc = t.get("profiler_config") or {}
-                    steps = [int(pc.get("start_step", 1)), int(pc.get("end_step", 3))]
-                    self.set("trainer_args.profile_steps", steps, src)
-            elif key == "eval_steps":
-                if value and t.get("eval_strategy", "steps") != "no":
-                    self.set("trainer_args.eval_steps", value)
-            elif key == "save_steps":
-                if t.get("save_strategy", "steps") == "steps" and value is not None:
-                    self.set("trainer_args.save_steps", int(value))
-            elif key in ("reduce_dtype", "output_dtype"):
-                self.drop(src, "lmms-train reduces gradients in fp32 and computes in bf16; the "
-                               "export dtype is trainer_args.export_dtype")  # fmt: skip
-            elif key in _SAME_AS_OURS:
-                self.same_as_ours(src, key, value)
-            elif key in _HF_DEFAULT_ONLY:
-                self.default_only(src, key, value)
-            elif key in _HF_IGNORED:
-                self.c.dropped_hf.append(key)
-            elif key in known:
-                self.set(f"trainer_args.{key}", value)
-            else:
-                self.unknown(src, value, "trainer_args", known)
-
-    def schedule(self, src: str, value: Any, kwargs: dict[str, Any]) -> None:
-        if value not in _SCHEDULES:
-            self.problem(
-                src,
-                value,
-                f"trainer_args.lr_scheduler_type, one of {sorted(set(_SCHEDULES.values()))}",
-            )
-            return
-        self.set("trainer_args.lr_scheduler_type", _SCHEDULES[value], src)
-        for k, v in kwargs.items():
-            if k == "min_lr_rate":
-                self.set("trainer_args.min_lr_ratio", v, f"trainer_args.lr_scheduler_kwargs.{k}")
-            elif k in ("decay_ratio", "num_decay_ratio"):
-                self.set("trainer_args.wsd_decay_ratio", v, f"trainer_args.lr_scheduler_kwargs.{k}")
-            else:
-                self.problem(f"trainer_args.lr_scheduler_kwargs.{k}", v,
-                             "trainer_args.min_lr_ratio / wsd_decay_ratio / warmup_steps")  # fmt: skip
-
-    def report(self, src: str, value: Any) -> None:
-        sinks = [value] if isinstance(value, str) else list(value or [])
-        if sinks in (["none"], ["None"]):
-            sinks = []
-        if sinks == ["all"]:
-            sinks = ["wandb", "tensorboard"]
-        bad = [s for s in sinks if s not in ("wandb", "tensorboard", "console", "jsonl")]
-        if bad:
-            self.problem(src, bad, "trainer_args.report_to takes console, wandb, tensorboard "
-                         "(metrics.jsonl is always written)")  # fmt: skip
-        keep = ["console", *(s for s in sinks if s in ("wandb", "tensorboard"))]
-        self.set("trainer_args.report_to", keep, src)
+        convert_trainer_args(self, t)
 
 
 def convert(raw: Any, *, base: str | Path = ".") -> Conversion:

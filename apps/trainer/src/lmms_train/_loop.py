@@ -17,7 +17,6 @@ before that read, so resuming replays those packs.
 
 from __future__ import annotations
 
-import resource
 import signal
 import sys
 import time
@@ -30,7 +29,6 @@ import torch
 import lmms_kernels
 from lmms_train._checkpoint import RunCheckpointer
 from lmms_train._dist import DistEnv
-from lmms_train._flops import mfu
 from lmms_train._gc_clock import GcClock, GcControl
 from lmms_train._guard import DivergenceGuard, drop_update
 from lmms_train._metrics import MetricsLogger
@@ -47,6 +45,7 @@ from lmms_train._step import (
     move_batch,
     run_micro_batches,
 )
+from lmms_train._step_metrics import Queued, finish, objective_metrics, vision_imbalance
 from lmms_train.config import TrainConfig
 
 __all__ = ["Run", "train_loop"]
@@ -101,37 +100,6 @@ def _add_loss_rows(run: Run, batch: dict[str, Any]) -> None:
     shift = batch.get("shift_labels")
     if shift is not None and not (isinstance(shift, torch.Tensor) and shift.device.type != "cpu"):
         batch["loss_rows"] = lmms_kernels.labelled_rows(shift)
-
-
-def _vision_imbalance(largest: float, total: float, env: Any) -> dict[str, float]:
-    """``perf/vision_flops_imbalance``: max over data-parallel ranks of a step's vision FLOPs
-    over their mean (``total`` counts each SP/TP group's packs once); absent without media."""
-    if total <= 0:
-        return {}
-    return {"perf/vision_flops_imbalance": largest * env.dp_size / total}
-
-
-def _peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    return kb / 2**20
-
-
-def evaluate(run: Run) -> float:
-    """Mean validation loss over `eval_batches` packs per rank (same packs every time)."""
-    model, env = run.model, run.env
-    model.eval()
-    total, count = 0.0, 0.0
-    with torch.no_grad():
-        for batch in run.eval_data():
-            batch = move_batch(batch, env.device, run.spec.host_keys)
-            loss_sum, n = run.forward(model, batch)
-            total += float(loss_sum)
-            count += float(n)
-    model.train()
-    total, count = env.all_reduce([total, count])
-    return total / max(count, 1.0)  # both sums are over-counted by sp alike
 
 
 class _DataWaitInterrupted(Exception):
@@ -209,215 +177,269 @@ def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched | None:
     return _Fetched(batches=batches, sums=sums, lens=lens, data_state=state)
 
 
-@dataclass(kw_only=True)
-class _Queued:
-    """A step whose device work is queued and whose metrics are not read yet."""
-
-    step: int
-    clock: StepClock
-    values: PendingScalars  # (loss_sum over ranks, grad norm)
-    host: dict[str, Any]  # metrics known on the host when the step was queued
-    phases: list[tuple[str, Any]]
-    global_count: float
-    data_wait: float
-    data_read: float
-    evaluate: bool  # validation after this step (its metrics are then read at once)
-    objective_metrics: tuple[str, ...] = ()  # names of the objective's (num, den) pairs in values
-    skipped: bool = False  # its update was dropped (non-finite gradient norm, `on_nonfinite: skip`)
-
-
-def _finish(run: Run, q: _Queued, phases: PhaseTimer) -> dict[str, Any]:
-    """Wait for a queued step's scalars (normally long done), then log its metrics."""
-    env = run.env
-    loss_sum, norm, *pairs = q.values.wait()
-    dt = q.clock.seconds()
-    local_bad = int(run.data.bad_records()) if hasattr(run.data, "bad_records") else 0
-    (bad,) = env.all_reduce([float(local_bad)])  # host-side collective: no device sync
-    host = q.host
-    metrics: dict[str, Any] = {
-        "loss": loss_sum / env.row_share / max(q.global_count, 1.0),
-        "lr": host.pop("lr"),
-        "grad_norm": norm,
-        "tokens_per_sec": host["tokens"] / dt,
-        "mfu": mfu(host.pop("flops_total"), dt, env.world_size, run.peak_flops),
-        "mfu_lm": mfu(host.pop("flops_lm"), dt, env.world_size, run.peak_flops),
-        # attention of causal blocks counted at half (the work a causal kernel does)
-        "mfu_causal_half": mfu(host.pop("flops_half"), dt, env.world_size, run.peak_flops),
-        "step_time": dt,
-        **host,
-        "data_wait_fraction": q.data_wait / env.world_size / dt,
-        "data_read_fraction": q.data_read / env.world_size / dt,
-        "peak_memory_gb": _peak_memory_gb(env.device),
-        "bad_records": int(bad / env.row_share),
-        **phases.read(q.phases),
-    }
-    for i, name in enumerate(q.objective_metrics):  # global sums: numerator / denominator
-        num, den = pairs[2 * i], pairs[2 * i + 1]
-        if den > 0:  # an empty bucket (no sample drew such a t this step) is not logged
-            metrics[name] = num / den
-    if "flops_all_rows" in host:  # loss_rows: labelled; the head counted on every row
-        flops = host.pop("flops_all_rows")
-        metrics["mfu_all_rows"] = mfu(flops, dt, env.world_size, run.peak_flops)
-    if q.evaluate:
-        metrics["eval_loss"] = evaluate(run)
-    if env.is_main:
-        run.logger.log(q.step, metrics)
-        slow = run.slow_steps.check(q.step, metrics)
-        if slow:
-            print(f"[lmms-train] slow {slow}", file=sys.stderr, flush=True)
-    run.guard.check(q.step, metrics["loss"], norm, skipped=q.skipped)  # raises on NaN/inf
-    return metrics
-
-
 def train_loop(run: Run) -> dict[str, Any]:
     """Train until `max_steps` (or SIGTERM); returns the last step's metrics."""
-    env, t = run.env, run.cfg.trainer_args
-    phases = PhaseTimer(enabled=t.profile_step_breakdown, device=env.device)
-    flops_fn = _flops_fn(run)
     previous = _install_sigterm(run)
-    last: dict[str, Any] = {}
-    queued: _Queued | None = None
-    upcoming: _Fetched | None = None  # the next step's packs, read during this step's backward
-    data_iter = iter(run.data)
     run.model.train()
-    profiler = StepProfiler(
-        t.profile_steps, Path(t.output_dir), env.device, env.rank, announce=env.is_main
-    )
-    gc_clock = GcClock()
-    gc_control = GcControl(t.gc_control, t.gc_full_collect_steps, gc_clock)
-    graphs_seen = lmms_kernels.compile_counts()["graphs"]
+    loop = _Loop(run)
     try:
-        if t.compile and t.compile_warmup and not _done(t, run.state.step):
-            from lmms_train._warmup import warm_up
-
-            upcoming = _fetch(run, data_iter, flops_fn)  # step 1's packs, read once
-            evaluating = bool(t.eval_steps and run.eval_data is not None)
-            if upcoming is not None and not upcoming.interrupted:
-                warm_up(run, upcoming.batches[0], evaluate=evaluating)
-            graphs_seen = lmms_kernels.compile_counts()["graphs"]
-        while not _done(t, run.state.step):
-            profiler.before_step(run.state.step + 1)
-            clock = StepClock(env.device)
-            fetched = upcoming or _fetch(run, data_iter, flops_fn)  # the first step reads here
-            if t.max_steps < 0 and _out_of_data(run, fetched):  # the last step was the last
-                if queued is not None:  # it gets what max_steps would give it: validation...
-                    queued.evaluate = bool(t.eval_steps and run.eval_data is not None)
-                    last, queued = _finish(run, queued, phases), None
-                _end_of_data(run)  # ... and the final checkpoint
-                break
-            upcoming, sums, lens = None, fetched.sums, fetched.lens
-            sums["stop"] = float(run.stop_requested)
-            reduced = dict(
-                zip(STAT_KEYS, env.all_reduce([sums[k] for k in STAT_KEYS]), strict=True)
-            )
-            if reduced["stop"]:  # SIGTERM on some rank: stop at this step boundary, saved
-                if queued is not None:
-                    last, queued = _finish(run, queued, phases), None
-                _stop(run, fetched.data_state)
-                break
-            seq_max, neg_min, vision_max = env.all_reduce(
-                [float(max(lens, default=0)), -float(min(lens, default=0)), sums["flops_vision"]],
-                op="max",
-            )
-            per_sp = {k: v / env.row_share for k, v in reduced.items()}  # SP/TP ranks share packs
-            global_count = per_sp["loss_tokens"]
-            phases.mark("start")
-            if hasattr(run.forward, "begin_step"):  # the objective's draws are seeded per step
-                run.forward.begin_step(run.state.step + 1)
-            loss_local = run_micro_batches(
-                model=run.model,
-                forward=run.forward,
-                batches=fetched.batches,
-                device=env.device,
-                scale=1.0 / max(global_count, 1.0),
-                phases=phases,
-                host_keys=run.spec.host_keys,
-            )
-            if not _done(t, run.state.step + 1):
-                upcoming = _fetch(run, data_iter, flops_fn)  # the GPU is busy with backward
-                phases.mark("data")  # the next pack's copy to the device, not the optimizer's
-            plans = run.model if env.tp * env.ep > 1 else None  # norms over TP/EP meshes
-            norm = grad_norm(run.optimizer, t.max_grad_norm, env.device, model=plans)
-            lr = run.scheduler.get_last_lr()[0]
-            skipped = run.guard.skip_update(run.state.step + 1, norm)  # False unless `skip`
-            if skipped:
-                drop_update(run.optimizer)
-                run.state.extra["skipped_steps"] = run.guard.skipped  # saved with checkpoints
-            else:
-                run.optimizer.step()
-                run.scheduler.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            phases.mark("optimizer")  # clipping, optimizer step, scheduler
-            env.all_reduce_device_(loss_local)  # async on the device; no-op on one rank
-            clock.end()
-            names, pairs = _objective_metrics(run)  # all-reduced on the device, not read
-            values = PendingScalars(loss_local, norm, *pairs)  # non-blocking copy to pinned memory
-            run.state.step += 1
-            run.state.tokens_seen += int(per_sp["tokens"])
-            run.state.samples_seen += int(per_sp["samples"])
-            step = run.state.step
-            lm_run = per_sp["flops_lm"] - per_sp["flops_head_skipped"]  # the head as it ran
-            host = {
-                "lr": lr,
-                "flops_total": lm_run + per_sp["flops_vision"],
-                "flops_lm": lm_run,
-                "flops_half": per_sp["flops_lm_half"]
-                - per_sp["flops_head_skipped"]
-                + per_sp["flops_vision"],
-                "tokens": int(per_sp["tokens"]),
-                "loss_tokens": int(global_count),
-                "samples": int(per_sp["samples"]),
-                "vision_tokens": int(per_sp["vision_tokens"]),
-                "tokens_seen": run.state.tokens_seen,
-                "perf/global_seq_len_avg": per_sp["tokens"] / max(per_sp["samples"], 1.0),
-                "perf/global_seq_len_min": -neg_min,
-                "perf/global_seq_len_max": seq_max,
-                "packing_fill_ratio": per_sp["tokens"] / max(per_sp["capacity"], 1.0),
-                # the slowest data-parallel rank's vision FLOPs over the mean (1 = balanced)
-                **_vision_imbalance(vision_max, per_sp["flops_vision"], env),
-                **gc_clock.take(),  # this step's host loop (and the previous step's metrics)
-            }
-            if per_sp["flops_head_skipped"] > 0:
-                host["flops_all_rows"] = per_sp["flops_lm"] + per_sp["flops_vision"]
-            if run.guard.policy == "skip":  # steps whose update was dropped, so far
-                host["skipped_steps"] = run.guard.skipped
-            if t.max_steps < 0:  # passes over the data ended so far: the console's ETA
-                host["data_passes"] = run.data.passes_done()
-            if t.compile:  # a rise after the first steps is a recompile mid-run
-                graphs = lmms_kernels.compile_counts()["graphs"]
-                host["compile/graphs"] = graphs
-                host["compile/new_graphs"] = graphs - graphs_seen  # compiled in this step
-                graphs_seen = graphs
-            fa4 = lmms_kernels.fa4_variants()
-            if fa4 is not None:  # a rise: FA4 compiled (or loaded) a size-picked variant
-                host["compile/fa4_variants"] = fa4
-                run.slow_steps.note_fa4(step, fa4)
-            if queued is not None:  # the previous step: its work finished before this one's
-                last = _finish(run, queued, phases)
-            evaluating = bool(t.eval_steps and run.eval_data is not None)
-            evaluating = evaluating and (step % t.eval_steps == 0 or step == t.max_steps)
-            queued = _Queued(
-                step=step, clock=clock, values=values, host=host, phases=phases.take(),
-                global_count=global_count, data_wait=reduced["data_wait"], data_read=reduced["data_read"],
-                evaluate=evaluating, objective_metrics=names, skipped=skipped,
-            )  # fmt: skip
-            periodic = t.save_steps and step % t.save_steps == 0
-            final = step == t.max_steps and t.save_final
-            if periodic or final or evaluating or step == t.max_steps:
-                last, queued = _finish(run, queued, phases), None
-            if periodic or final:  # the loader's position after this step's packs
-                _save(run, upcoming.data_state if upcoming else run.data.state_dict())
-            gc_control.after_warmup()  # after this process's first step; a no-op after it
-            gc_control.safe_point(step, full=bool(periodic or evaluating))
-        if queued is not None:
-            last = _finish(run, queued, phases)
+        loop.warm_up()
+        while not _done(run.cfg.trainer_args, run.state.step) and loop.step():
+            pass
+        loop.finish_queued()
     finally:
-        gc_control.close()
-        gc_clock.close()
-        profiler.close()
+        loop.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    return last
+    return loop.last
+
+
+@dataclass(kw_only=True)
+class _Stats:
+    """A step's pack statistics over every rank (`STAT_KEYS`): `per_sp` counts each SP/TP group's
+    packs once; the loader's times are summed over ranks; the extremes are maxima over ranks."""
+
+    per_sp: dict[str, float]
+    data_wait: float
+    data_read: float
+    seq_max: float
+    seq_min: float
+    vision_max: float  # the largest rank's vision FLOPs
+
+    @property
+    def loss_tokens(self) -> float:
+        """The loss's normaliser: supervised tokens of the whole global batch."""
+        return self.per_sp["loss_tokens"]
+
+
+def _sum_over_ranks(run: Run, fetched: _Fetched) -> dict[str, float]:
+    """The step's `STAT_KEYS` summed over every rank (one host collective), `stop` among them:
+    whether any rank got SIGTERM."""
+    fetched.sums["stop"] = float(run.stop_requested)
+    values = run.env.all_reduce([fetched.sums[k] for k in STAT_KEYS])
+    return dict(zip(STAT_KEYS, values, strict=True))
+
+
+def _step_stats(run: Run, fetched: _Fetched, reduced: dict[str, float]) -> _Stats:
+    """The step's statistics from its sums over ranks, and the extremes (a second collective)."""
+    env, lens = run.env, fetched.lens
+    seq_max, neg_min, vision_max = env.all_reduce(
+        [float(max(lens, default=0)), -float(min(lens, default=0)), fetched.sums["flops_vision"]],
+        op="max",
+    )
+    return _Stats(
+        per_sp={k: v / env.row_share for k, v in reduced.items()},  # SP/TP ranks share packs
+        data_wait=reduced["data_wait"],
+        data_read=reduced["data_read"],
+        seq_max=seq_max,
+        seq_min=-neg_min,
+        vision_max=vision_max,
+    )
+
+
+def _optimizer_step(run: Run, phases: PhaseTimer) -> tuple[Any, float, bool]:
+    """Clip (the gradient norm), then the optimizer and scheduler step, unless the divergence
+    guard drops this update (`on_nonfinite: skip`); returns (norm, the step's lr, skipped)."""
+    t, env = run.cfg.trainer_args, run.env
+    plans = run.model if env.tp * env.ep > 1 else None  # norms over TP/EP meshes
+    norm = grad_norm(run.optimizer, t.max_grad_norm, env.device, model=plans)
+    lr = run.scheduler.get_last_lr()[0]
+    skipped = run.guard.skip_update(run.state.step + 1, norm)  # False unless `skip`
+    if skipped:
+        drop_update(run.optimizer)
+        run.state.extra["skipped_steps"] = run.guard.skipped  # saved with checkpoints
+    else:
+        run.optimizer.step()
+        run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    phases.mark("optimizer")  # clipping, optimizer step, scheduler
+    return norm, lr, skipped
+
+
+def _count_step(state: TrainState, stats: _Stats) -> int:
+    """Advance the run's counters past this step; returns its number."""
+    state.step += 1
+    state.tokens_seen += int(stats.per_sp["tokens"])
+    state.samples_seen += int(stats.per_sp["samples"])
+    return state.step
+
+
+def _pack_metrics(run: Run, stats: _Stats, lr: float) -> dict[str, Any]:
+    """The step's metrics known on the host when it is queued: lr, FLOPs (MFU's numerators),
+    tokens, samples, sequence lengths, packing fill and vision balance."""
+    per_sp = stats.per_sp
+    head_skipped = per_sp["flops_head_skipped"]  # `loss_rows: labelled`: rows the head skipped
+    lm_run = per_sp["flops_lm"] - head_skipped  # the head as it ran
+    return {
+        "lr": lr,
+        "flops_total": lm_run + per_sp["flops_vision"],
+        "flops_lm": lm_run,
+        "flops_half": per_sp["flops_lm_half"] - head_skipped + per_sp["flops_vision"],
+        "tokens": int(per_sp["tokens"]),
+        "loss_tokens": int(stats.loss_tokens),
+        "samples": int(per_sp["samples"]),
+        "vision_tokens": int(per_sp["vision_tokens"]),
+        "tokens_seen": run.state.tokens_seen,
+        "perf/global_seq_len_avg": per_sp["tokens"] / max(per_sp["samples"], 1.0),
+        "perf/global_seq_len_min": stats.seq_min,
+        "perf/global_seq_len_max": stats.seq_max,
+        "packing_fill_ratio": per_sp["tokens"] / max(per_sp["capacity"], 1.0),
+        # the slowest data-parallel rank's vision FLOPs over the mean (1 = balanced)
+        **vision_imbalance(stats.vision_max, per_sp["flops_vision"], run.env),
+    }
+
+
+class _Loop:
+    """One `train_loop`: the next step's packs read ahead, the step whose metrics are still to
+    be read, and the profiler and GC clocks around the steps."""
+
+    def __init__(self, run: Run) -> None:
+        t, env = run.cfg.trainer_args, run.env
+        self.run = run
+        self.phases = PhaseTimer(enabled=t.profile_step_breakdown, device=env.device)
+        self.flops_fn = _flops_fn(run)
+        self.data_iter = iter(run.data)
+        self.last: dict[str, Any] = {}  # the last logged step's metrics
+        self.queued: Queued | None = None
+        self.upcoming: _Fetched | None = None  # the next step's packs, read during a backward
+        self.profiler = StepProfiler(
+            t.profile_steps, Path(t.output_dir), env.device, env.rank, announce=env.is_main
+        )
+        self.gc_clock = GcClock()
+        self.gc_control = GcControl(t.gc_control, t.gc_full_collect_steps, self.gc_clock)
+        self.graphs_seen = lmms_kernels.compile_counts()["graphs"]
+
+    def close(self) -> None:
+        self.gc_control.close()
+        self.gc_clock.close()
+        self.profiler.close()
+
+    def evaluates(self) -> bool:
+        """Whether the run validates at all (`eval_steps` and eval data)."""
+        t = self.run.cfg.trainer_args
+        return bool(t.eval_steps and self.run.eval_data is not None)
+
+    def evaluates_after(self, step: int) -> bool:
+        t = self.run.cfg.trainer_args
+        return self.evaluates() and (step % t.eval_steps == 0 or step == t.max_steps)
+
+    def warm_up(self) -> None:
+        """`compile_warmup`: compile on step 1's packs (read once, kept for step 1) first."""
+        run, t = self.run, self.run.cfg.trainer_args
+        if not (t.compile and t.compile_warmup) or _done(t, run.state.step):
+            return
+        from lmms_train._warmup import warm_up
+
+        self.upcoming = _fetch(run, self.data_iter, self.flops_fn)
+        if self.upcoming is not None and not self.upcoming.interrupted:
+            warm_up(run, self.upcoming.batches[0], evaluate=self.evaluates())
+        self.graphs_seen = lmms_kernels.compile_counts()["graphs"]
+
+    def step(self) -> bool:
+        """One training step, its metrics queued (read during the next step); False when the
+        run ends here instead: its data is over (`max_steps: -1`) or SIGTERM came."""
+        run, env = self.run, self.run.env
+        self.profiler.before_step(run.state.step + 1)
+        clock = StepClock(env.device)
+        fetched = self.upcoming or _fetch(run, self.data_iter, self.flops_fn)  # step 1 reads here
+        if run.cfg.trainer_args.max_steps < 0 and _out_of_data(run, fetched):
+            self.end_of_data()  # the last step was the last
+            return False
+        self.upcoming = None
+        reduced = _sum_over_ranks(run, fetched)
+        if reduced["stop"]:  # SIGTERM on some rank: stop at this step boundary, saved
+            self.finish_queued()
+            _stop(run, fetched.data_state)
+            return False
+        stats = _step_stats(run, fetched, reduced)
+        loss_local = self.forward_backward(fetched.batches, stats.loss_tokens)
+        norm, lr, skipped = _optimizer_step(run, self.phases)
+        env.all_reduce_device_(loss_local)  # async on the device; no-op on one rank
+        clock.end()
+        names, pairs = objective_metrics(run)  # all-reduced on the device, not read
+        values = PendingScalars(loss_local, norm, *pairs)  # non-blocking copy to pinned memory
+        step = _count_step(run.state, stats)
+        host = _pack_metrics(run, stats, lr)
+        host.update(self.gc_clock.take())  # this step's host loop (and the last step's metrics)
+        host.update(self.run_metrics(step, stats))
+        self.queue(Queued(
+            step=step, clock=clock, values=values, host=host, phases=self.phases.take(),
+            global_count=stats.loss_tokens, data_wait=stats.data_wait, data_read=stats.data_read,
+            evaluate=self.evaluates_after(step), objective_metrics=names, skipped=skipped,
+        ))  # fmt: skip
+        return True
+
+    def forward_backward(self, batches: list[dict[str, Any]], loss_tokens: float) -> Any:
+        """Forward and backward over the step's packs, each loss divided by the global batch's
+        supervised tokens; the next step's packs are read while the backward runs."""
+        run, t = self.run, self.run.cfg.trainer_args
+        self.phases.mark("start")
+        if hasattr(run.forward, "begin_step"):  # the objective's draws are seeded per step
+            run.forward.begin_step(run.state.step + 1)
+        loss_local = run_micro_batches(
+            model=run.model,
+            forward=run.forward,
+            batches=batches,
+            device=run.env.device,
+            scale=1.0 / max(loss_tokens, 1.0),
+            phases=self.phases,
+            host_keys=run.spec.host_keys,
+        )
+        if not _done(t, run.state.step + 1):
+            self.upcoming = _fetch(run, self.data_iter, self.flops_fn)  # the GPU runs backward
+            self.phases.mark("data")  # the next pack's copy to the device, not the optimizer's
+        return loss_local
+
+    def run_metrics(self, step: int, stats: _Stats) -> dict[str, Any]:
+        """The step's metrics about the run rather than its packs: LM-head FLOPs of every row,
+        skipped updates, passes over the data, compiled graphs and FA4 variants."""
+        run, t, per_sp = self.run, self.run.cfg.trainer_args, stats.per_sp
+        host: dict[str, Any] = {}
+        if per_sp["flops_head_skipped"] > 0:
+            host["flops_all_rows"] = per_sp["flops_lm"] + per_sp["flops_vision"]
+        if run.guard.policy == "skip":  # steps whose update was dropped, so far
+            host["skipped_steps"] = run.guard.skipped
+        if t.max_steps < 0:  # passes over the data ended so far: the console's ETA
+            host["data_passes"] = run.data.passes_done()
+        if t.compile:  # a rise after the first steps is a recompile mid-run
+            graphs = lmms_kernels.compile_counts()["graphs"]
+            host["compile/graphs"] = graphs
+            host["compile/new_graphs"] = graphs - self.graphs_seen  # compiled in this step
+            self.graphs_seen = graphs
+        fa4 = lmms_kernels.fa4_variants()
+        if fa4 is not None:  # a rise: FA4 compiled (or loaded) a size-picked variant
+            host["compile/fa4_variants"] = fa4
+            run.slow_steps.note_fa4(step, fa4)
+        return host
+
+    def queue(self, q: Queued) -> None:
+        """Queue a step's metrics after logging the previous step's (its work is done by now);
+        read them at once where the device drains anyway: validation, a checkpoint, the last
+        step. Then the checkpoint and the GC's safe point."""
+        run, t, step = self.run, self.run.cfg.trainer_args, q.step
+        self.finish_queued()
+        self.queued = q
+        periodic = t.save_steps and step % t.save_steps == 0
+        final = step == t.max_steps and t.save_final
+        if periodic or final or q.evaluate or step == t.max_steps:
+            self.finish_queued()
+        if periodic or final:  # the loader's position after this step's packs
+            _save(run, self.upcoming.data_state if self.upcoming else run.data.state_dict())
+        self.gc_control.after_warmup()  # after this process's first step; a no-op after it
+        self.gc_control.safe_point(step, full=bool(periodic or q.evaluate))
+
+    def finish_queued(self) -> None:
+        """Read and log the queued step's metrics, if a step is queued."""
+        if self.queued is not None:
+            self.last, self.queued = finish(self.run, self.queued, self.phases), None
+
+    def end_of_data(self) -> None:
+        """`max_steps: -1` and the data is over: the last step gets what `max_steps` would give
+        it, validation and the final checkpoint."""
+        if self.queued is not None:
+            self.queued.evaluate = self.evaluates()
+        self.finish_queued()
+        _end_of_data(self.run)
 
 
 def _done(t: Any, step: int) -> bool:
@@ -445,40 +467,6 @@ def _end_of_data(run: Run) -> None:
             file=sys.stderr,
             flush=True,
         )
-
-
-def _objective_metrics(run: Run) -> tuple[tuple[str, ...], list[torch.Tensor]]:
-    """The step's objective metrics as `(names, [num, den, ...])`, summed over every rank with
-    one device all-reduce (the same names on every rank: an objective's set is fixed)."""
-    take = getattr(run.forward, "take_metrics", None)
-    got = take() if take is not None else {}
-    moe_names, moe_pairs = _moe_metrics(run)
-    if not got:
-        return moe_names, moe_pairs
-    names = tuple(sorted(got))
-    stacked = torch.stack([x for n in names for x in got[n]])  # [2k] float64
-    run.env.all_reduce_device_(stacked)
-    return names + moe_names, list(stacked.unbind()) + moe_pairs
-
-
-def _moe_metrics(run: Run) -> tuple[tuple[str, ...], list[torch.Tensor]]:
-    """MoE families: the router aux loss and the experts' load (`lmms_models.ExpertLoadMeter`)
-    of the step, the tokens per expert summed over every rank on the device, as (num, den)
-    pairs."""
-    from lmms_models import expert_load_meter
-
-    meter = expert_load_meter(run.model)
-    if meter is None:
-        return (), []
-    raw = meter.take(run.env.device)
-    run.env.all_reduce_device_(raw)
-    aux_sum, n_aux, ratio, worst, dead = meter.summarize(raw).double().unbind()
-    one = torch.ones((), dtype=torch.float64, device=raw.device)
-    names = ("moe/load_max_over_mean", "moe/load_max_over_mean_worst", "moe/dead_experts")
-    pairs = [ratio, one, worst, one, dead, one]
-    if run.spec.router_aux_enabled(run.model):
-        names, pairs = ("moe/aux_loss", *names), [aux_sum, n_aux, *pairs]
-    return names, pairs
 
 
 def _stop(run: Run, data_state: dict[str, Any]) -> None:

@@ -224,53 +224,8 @@ def build_model(
         raise ConfigError("trainer_args.fsdp_cpu_offload needs FSDP: set trainer_args.fsdp: true")
     _check_frozen_encoders(spec, env, t)
     check_lora(cfg, env)  # before the build: e.g. a 4-bit base on CPU
-    handles: list[Any] = []
-    meta = env.fsdp and m.load_from_pretrained_path is not None
-    weights: Any = m.load_from_pretrained_path  # what rank 0 broadcasts into the shards
-    if weights is not None:  # the family's file (e.g. one of several) or the folder
-        weights = str(spec.weights_file(weights))
-    attn = t.attn_backend if t.use_rmpad else "sdpa"
-    backends = dict(attn_backend=attn, vision_attn_backend=t.vision_attn_backend)
-    try:
-        if m.load_from_config is not None and env.distributed:
-            # Random init once, on rank 0 (same seed, same weights as a 1-process run); every
-            # rank builds on meta and receives its shards: no full copy per rank.
-            from lmms_parallel import meta_init
-
-            conf = model_config_dict(cfg, spec, token_ids)
-            hf_config = spec.make_config(conf)
-            torch.manual_seed(t.seed)
-            weights = (
-                spec.build(config=conf, device="cpu", **backends).state_dict()
-                if env.rank == 0
-                else None
-            )
-            with meta_init():
-                model = spec.build(config=conf, device="meta", **backends)
-            meta = True
-        elif m.load_from_config is not None:
-            conf = model_config_dict(cfg, spec, token_ids)
-            hf_config = spec.make_config(conf)
-            torch.manual_seed(t.seed)
-            # random init on the CPU generator whatever the device (as the distributed path
-            # above): a seed gives the same weights on a GPU as on the CPU (a CUDA generator
-            # draws other numbers: BAGEL's GPU run started 2.8% off its CPU run)
-            model = spec.build(config=conf, device="cpu", **backends).to(env.device)
-        elif meta:
-            from lmms_parallel import meta_init
-
-            with meta_init():
-                model = spec.build(
-                    pretrained=m.load_from_pretrained_path, device="meta", **backends
-                )
-            hf_config = model.config
-        else:
-            model = spec.build(
-                pretrained=m.load_from_pretrained_path, device=env.device, **backends
-            )
-            hf_config = model.config
-    except (ValueError, TypeError, OSError) as exc:
-        raise UserError(f"model_config: could not build {spec.name}: {exc}") from exc
+    built = _construct(cfg, env, spec, token_ids)
+    model = built.model
     objective = build_objective(cfg, spec)
     try:
         objective.prepare_model(spec, model)  # e.g. bidirectional attention, before any wrapping
@@ -279,49 +234,13 @@ def build_model(
     adapter = apply_model_lora(cfg, spec, model)  # inside the blocks FSDP2 and AC wrap
     check_preference(cfg, env, objective, adapter)  # DPO: pairs and a reference
     frozen = _freeze(model, spec, t.freeze)
-    if t.linear_patch_embed:
-        from lmms_models import linear_patch_embed
-
-        handles.append(linear_patch_embed(spec.vision_tower(model)))
-    if t.use_liger_kernel and spec.liger_plan:  # the family's modules to patch
-        handles.append(_apply_liger(model, spec, env))
-    vp_head = objective.vocab_parallel_head
-    units = _apply_plans(model, spec, env, t, hf_config, handles, vp_head)  # TP/EP first
-    if env.sp > 1:
-        from lmms_parallel import UlyssesAttention, sp_group
-
-        wrapper = UlyssesAttention(sp_group(env.mesh))
-        spec.set_attention(
-            model, backend=attn, wrapper=wrapper, vision_backend=t.vision_attn_backend
-        )  # inputs are sliced in _forward
-    handles += _apply_ac(model, spec, t)
-    if t.compile:
-        handles.append(_apply_compile(model, spec))
+    handles: list[Any] = []
+    units = _apply_patches(cfg, env, spec, built, handles, objective.vocab_parallel_head)
     if env.fsdp:
-        from lmms_parallel import apply_fsdp, fsdp_mesh
-
-        blocks = spec.vision_blocks(model) + spec.decoder_blocks(model) + spec.embeddings(model)
-        apply_fsdp(
-            model,
-            fsdp_mesh(env.mesh),
-            blocks=blocks,
-            param_dtype=torch.bfloat16 if t.bf16 else None,
-            reshard_after_forward=t.reshard_after_forward,
-            cpu_offload=t.fsdp_cpu_offload,
-            units=units,
-        )
-        if meta:
-            from lmms_parallel import load_full_state_dict, materialize
-
-            materialize(model, env.device)
-            from lmms_models.layouts.llada import pretrained_key_map
-
-            key_map = pretrained_key_map(weights) if isinstance(weights, str) else None  # LLaDA
-            if isinstance(weights, str) and env.rank == 0:  # a path, or read by the family
-                weights = spec.pretrained_weights(weights)  # (e.g. an Omni thinker)
-            if adapter is not None and env.rank == 0:  # base keys renamed, initial adapters
-                weights, key_map = adapted_weights(adapter, weights, key_map, t.seed), None
-            load_full_state_dict(model, weights if env.rank == 0 else None, key_map=key_map)
+        _shard(model, spec, env, t, units)
+        if built.meta:
+            weights, built.weights = built.weights, None  # rank 0's full copy: freed once loaded
+            _load_shards(model, spec, env, t, weights, adapter)
             del weights
     _place_frozen_encoders(model, spec, env, t)
     master = None
@@ -331,9 +250,143 @@ def build_model(
         master = MasterWeights(model, torch.bfloat16)
     quantize_model_base(cfg, adapter)  # QLoRA: the frozen base of the adapted layers in NF4
     return BuiltModel(
-        spec=spec, model=model, hf_config=hf_config, frozen=frozen, handles=handles,
+        spec=spec, model=model, hf_config=built.hf_config, frozen=frozen, handles=handles,
         master=master, objective=objective, adapter=adapter,
     )  # fmt: skip
+
+
+@dataclass(kw_only=True, slots=True)
+class _Constructed:
+    """The model as first built: on the device, or on the meta device (`meta`) to be
+    materialised after FSDP2 with `weights` (rank 0's state dict or checkpoint path) loaded."""
+
+    model: nn.Module
+    hf_config: Any
+    meta: bool
+    weights: Any  # what rank 0 broadcasts into the shards (a path, a state dict or None)
+
+
+def _construct(
+    cfg: TrainConfig, env: DistEnv, spec: Any, token_ids: dict[str, Any] | None
+) -> _Constructed:
+    """The model from `load_from_config` (a random init on the CPU generator, seeded) or
+    `load_from_pretrained_path`; on several ranks (or FSDP2 from a checkpoint) on meta."""
+    m, t = cfg.model_config, cfg.trainer_args
+    meta = env.fsdp and m.load_from_pretrained_path is not None
+    weights: Any = m.load_from_pretrained_path  # what rank 0 broadcasts into the shards
+    if weights is not None:  # the family's file (e.g. one of several) or the folder
+        weights = str(spec.weights_file(weights))
+    backends = dict(attn_backend=_attn_backend(t), vision_attn_backend=t.vision_attn_backend)
+    try:
+        if m.load_from_config is not None:
+            conf = model_config_dict(cfg, spec, token_ids)
+            hf_config = spec.make_config(conf)
+            torch.manual_seed(t.seed)
+            if not env.distributed:
+                # random init on the CPU generator whatever the device (as the distributed path
+                # below): a seed gives the same weights on a GPU as on the CPU (a CUDA generator
+                # draws other numbers: BAGEL's GPU run started 2.8% off its CPU run)
+                model = spec.build(config=conf, device="cpu", **backends).to(env.device)
+                return _Constructed(model=model, hf_config=hf_config, meta=meta, weights=weights)
+            # Random init once, on rank 0 (same seed, same weights as a 1-process run); every
+            # rank builds on meta and receives its shards: no full copy per rank.
+            from lmms_parallel import meta_init
+
+            weights = (
+                spec.build(config=conf, device="cpu", **backends).state_dict()
+                if env.rank == 0
+                else None
+            )
+            with meta_init():
+                model = spec.build(config=conf, device="meta", **backends)
+            return _Constructed(model=model, hf_config=hf_config, meta=True, weights=weights)
+        if meta:
+            from lmms_parallel import meta_init
+
+            with meta_init():
+                model = spec.build(
+                    pretrained=m.load_from_pretrained_path, device="meta", **backends
+                )
+        else:
+            model = spec.build(
+                pretrained=m.load_from_pretrained_path, device=env.device, **backends
+            )
+        return _Constructed(model=model, hf_config=model.config, meta=meta, weights=weights)
+    except (ValueError, TypeError, OSError) as exc:
+        raise UserError(f"model_config: could not build {spec.name}: {exc}") from exc
+
+
+def _apply_patches(
+    cfg: TrainConfig,
+    env: DistEnv,
+    spec: Any,
+    built: _Constructed,
+    handles: list[Any],
+    vocab_parallel_head: bool,
+) -> list[tuple[nn.Module, Any]]:
+    """Everything applied to the single-device model before FSDP2, in order: the linear patch
+    embedding, Liger, the TP/EP plans, Ulysses attention, activation checkpointing, compile.
+    Their handles go to `handles`; returns the experts' FSDP2 units under EP (the TP/EP plans
+    come first; `vocab_parallel_head`: the objective's loss takes a vocab-parallel LM head)."""
+    t, model = cfg.trainer_args, built.model
+    if t.linear_patch_embed:
+        from lmms_models import linear_patch_embed
+
+        handles.append(linear_patch_embed(spec.vision_tower(model)))
+    if t.use_liger_kernel and spec.liger_plan:  # the family's modules to patch
+        handles.append(_apply_liger(model, spec, env))
+    units = _apply_plans(model, spec, env, t, built.hf_config, handles, vocab_parallel_head)
+    if env.sp > 1:
+        from lmms_parallel import UlyssesAttention, sp_group
+
+        wrapper = UlyssesAttention(sp_group(env.mesh))
+        spec.set_attention(
+            model, backend=_attn_backend(t), wrapper=wrapper, vision_backend=t.vision_attn_backend
+        )  # inputs are sliced in _forward
+    handles += _apply_ac(model, spec, t)
+    if t.compile:
+        handles.append(_apply_compile(model, spec))
+    return units
+
+
+def _shard(
+    model: nn.Module, spec: Any, env: DistEnv, t: Any, units: list[tuple[nn.Module, Any]]
+) -> None:
+    """FSDP2 over the vision and decoder blocks and the embeddings (and the experts' units)."""
+    from lmms_parallel import apply_fsdp, fsdp_mesh
+
+    blocks = spec.vision_blocks(model) + spec.decoder_blocks(model) + spec.embeddings(model)
+    apply_fsdp(
+        model,
+        fsdp_mesh(env.mesh),
+        blocks=blocks,
+        param_dtype=torch.bfloat16 if t.bf16 else None,
+        reshard_after_forward=t.reshard_after_forward,
+        cpu_offload=t.fsdp_cpu_offload,
+        units=units,
+    )
+
+
+def _load_shards(
+    model: nn.Module, spec: Any, env: DistEnv, t: Any, weights: Any, adapter: Any
+) -> None:
+    """Materialise a meta-built sharded model and load the weights rank 0 reads (a path, read
+    by the family, or rank 0's random init), broadcast into every rank's shards."""
+    from lmms_models.layouts.llada import pretrained_key_map
+    from lmms_parallel import load_full_state_dict, materialize
+
+    materialize(model, env.device)
+    key_map = pretrained_key_map(weights) if isinstance(weights, str) else None  # LLaDA
+    if isinstance(weights, str) and env.rank == 0:  # a path, or read by the family
+        weights = spec.pretrained_weights(weights)  # (e.g. an Omni thinker)
+    if adapter is not None and env.rank == 0:  # base keys renamed, initial adapters
+        weights, key_map = adapted_weights(adapter, weights, key_map, t.seed), None
+    load_full_state_dict(model, weights if env.rank == 0 else None, key_map=key_map)
+
+
+def _attn_backend(t: Any) -> str:
+    """The decoder's attention: the configured varlen backend on packed rows, else SDPA."""
+    return t.attn_backend if t.use_rmpad else "sdpa"
 
 
 def _place_frozen_encoders(model: nn.Module, spec: Any, env: DistEnv, t: Any) -> None:

@@ -46,63 +46,82 @@ def build_optimizer(
 
 def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.optim.Optimizer:
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
-    excluded = {  # Muon's exclusions, by the model's own modules
-        id(p)
-        for m in [
-            *spec.embeddings(model),
-            spec.lm_head(model),
-            *_grouped_convs(model),
-            *spec.muon_adamw_modules(model),
-        ]
-        for p in m.parameters()
-    }
-    takes_muon = [p.ndim >= 2 and id(p) not in excluded for p in params]
     # the model's names and modules decide the groups; the optimizer steps the masters, if any
     stepped = master.map_params(list(params)) if master is not None else list(params)
-    named = list(zip(names, stepped, strict=True))
     if t.optimizer == "adamw":
-        decay = [p for n, p in named if not _no_decay(n, p)]
-        other = [p for n, p in named if _no_decay(n, p)]
-        groups = [
-            g
-            for g in (
-                {"params": decay, "weight_decay": t.weight_decay},
-                {"params": other, "weight_decay": 0.0},
-            )
-            if g["params"]
-        ]
-        if t.optimizer_state_dtype == "bfloat16":  # bf16 moments, stochastic rounding
-            from lmms_optim import LowPrecisionAdamW
-
-            return LowPrecisionAdamW(
-                groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                eps=t.adam_epsilon, state_dtype=torch.bfloat16, seed=t.seed,
-            )  # fmt: skip
-        if master is not None and t.fused_master_step:
-            from lmms_optim import MasterAdamW
-
-            return MasterAdamW(
-                groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon
-            )
-        kwargs: dict[str, Any] = {}
-        if any(p.is_cuda for _, p in named):
-            kwargs["fused"] = True
-        return torch.optim.AdamW(
-            groups,
-            lr=t.learning_rate,
-            betas=(t.adam_beta1, t.adam_beta2),
-            eps=t.adam_epsilon,
-            **kwargs,
-        )
+        return _adamw(list(zip(names, stepped, strict=True)), t, master)
     if t.optimizer_state_dtype != "float32":
         raise ValueError(
             f"trainer_args.optimizer_state_dtype: {t.optimizer_state_dtype} state is AdamW's "
             "(lmms_optim.LowPrecisionAdamW); Muon keeps fp32 state: set it to float32"
         )
-    from lmms_models import HasExperts
     from lmms_optim import Muon
 
-    # MoE experts [E, m, n]: E matrices, each orthogonalised on its own (Muon's `stacked` group)
+    groups = _muon_groups(model, spec, list(params), stepped, t)
+    if master is not None and t.muon_fused_step:
+        from lmms_optim import MasterMuon
+
+        cls: type[Muon] = MasterMuon
+    else:
+        cls = Muon
+    return cls(
+        groups,
+        lr=t.muon_learning_rate or t.learning_rate,
+        momentum=t.muon_momentum,
+        adjust_lr="rms",
+    )
+
+
+def _adamw(
+    named: list[tuple[str, torch.Tensor]], t: TrainerArgs, master: Any
+) -> torch.optim.Optimizer:
+    """AdamW with weight decay on all but norms and biases: bf16 moments with stochastic rounding
+    (`optimizer_state_dtype: bfloat16`), the fused master step, or torch's (fused on CUDA)."""
+    decay = [p for n, p in named if not _no_decay(n, p)]
+    other = [p for n, p in named if _no_decay(n, p)]
+    groups = [
+        g
+        for g in (
+            {"params": decay, "weight_decay": t.weight_decay},
+            {"params": other, "weight_decay": 0.0},
+        )
+        if g["params"]
+    ]
+    if t.optimizer_state_dtype == "bfloat16":  # bf16 moments, stochastic rounding
+        from lmms_optim import LowPrecisionAdamW
+
+        return LowPrecisionAdamW(
+            groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_epsilon, state_dtype=torch.bfloat16, seed=t.seed,
+        )  # fmt: skip
+    if master is not None and t.fused_master_step:
+        from lmms_optim import MasterAdamW
+
+        return MasterAdamW(
+            groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon
+        )
+    kwargs: dict[str, Any] = {}
+    if any(p.is_cuda for _, p in named):
+        kwargs["fused"] = True
+    return torch.optim.AdamW(
+        groups,
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_epsilon,
+        **kwargs,
+    )
+
+
+def _muon_groups(
+    model: nn.Module, spec: Any, params: list[nn.Parameter], stepped: list[Any], t: TrainerArgs
+) -> list[dict[str, Any]]:
+    """Muon's groups: the matrices (`params`' 2-D and up, outside the spec's exclusions), MoE
+    expert stacks `[E, m, n]` (each of the E matrices orthogonalised on its own: `stacked`), and
+    AdamW for the rest; `stepped` holds what the optimizer steps (the masters, if any)."""
+    from lmms_models import HasExperts
+
+    excluded = _muon_excluded(model, spec)
+    takes_muon = [p.ndim >= 2 and id(p) not in excluded for p in params]
     experts = spec.experts_modules(model) if isinstance(spec, HasExperts) else []
     stack_ids = {id(p) for m in experts for p in m.parameters() if p.ndim == 3}
     is_stack = [id(p) in stack_ids for p in params]
@@ -133,18 +152,19 @@ def _build(model: nn.Module, spec: Any, t: TrainerArgs, master: Any) -> torch.op
                 "weight_decay": 0.0,
             }
         )
-    if master is not None and t.muon_fused_step:
-        from lmms_optim import MasterMuon
+    return groups
 
-        cls: type[Muon] = MasterMuon
-    else:
-        cls = Muon
-    return cls(
-        groups,
-        lr=t.muon_learning_rate or t.learning_rate,
-        momentum=t.muon_momentum,
-        adjust_lr="rms",
-    )
+
+def _muon_excluded(model: nn.Module, spec: Any) -> set[int]:
+    """Muon's exclusions, by the model's own modules: embeddings, the LM head, grouped
+    convolutions and the family's own (`spec.muon_adamw_modules`)."""
+    modules = [
+        *spec.embeddings(model),
+        spec.lm_head(model),
+        *_grouped_convs(model),
+        *spec.muon_adamw_modules(model),
+    ]
+    return {id(p) for m in modules for p in m.parameters()}
 
 
 def build_schedule(

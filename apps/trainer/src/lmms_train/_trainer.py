@@ -32,7 +32,7 @@ from lmms_train._forward import make_forward
 from lmms_train._guard import DivergenceGuard, vocab_size_of
 from lmms_train._loop import Run, train_loop
 from lmms_train._metrics import ConsoleSink, JsonlSink, MetricsLogger, TensorBoardSink, WandbSink
-from lmms_train._model_setup import build_model, resolve_spec
+from lmms_train._model_setup import BuiltModel, build_model, resolve_spec
 from lmms_train._oom import out_of_memory
 from lmms_train._optim_setup import build_optimizer, build_schedule
 from lmms_train._preflight import RunLock, config_differences, config_problems
@@ -148,57 +148,25 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
     started = time.perf_counter()
     _build_mesh(cfg, env)
     spec = resolve_spec(cfg)
-    checkpointer = RunCheckpointer(out, t.save_total_limit, config_to_dict(cfg))
-    resume = checkpointer.resolve(t.resume_from)
-    run_id = checkpointer.start_run(resume, env)
-    differences = _differences(cfg, env, resume)
+    start = _start_point(cfg, env, out)
     token_ids = prepare_inputs(cfg, env, spec)  # synthetic data / local processor if configured
     check_processor_fits(cfg, spec, token_ids)  # its patches / family vs the model's: one line
     data, eval_data = build_data(cfg, env, spec)  # reads every shard's metadata: before the model
-    seed_everything(t.seed)
-    _memory_plan(cfg, env, spec, token_ids)  # may stop the run, or choose its layout (auto)
-    built = build_model(cfg, env, spec, token_ids)
-    if hasattr(data, "loader") and hasattr(data.loader, "set_vision_cost"):  # balancing's cost
-        data.loader.set_vision_cost(functools.partial(spec.pack_vision_flops, built.hf_config))
-    optimizer = build_optimizer(built.model, spec, t, built.master)
-    if t.ema_decay is not None:  # EMA of the weights, in the optimizer's state (_ema)
-        from lmms_train._ema import install_ema
-
-        install_ema(optimizer, t.ema_decay)
+    built = _model(cfg, env, spec, token_ids, data)
+    optimizer = _optimizer(built, spec, t)
     scheduler = build_schedule(optimizer, t)
     state = TrainState()
     seed_everything(t.seed + 1000 * env.rank)  # per-rank streams (dropout etc.) after the init
-    if resume is not None:
-        checkpointer.load(
-            resume,
-            model=built.state_module,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            state=state,
-            data=data,
-            env=env,
-            on_data_change=t.on_data_change,
-            differences=differences,
-        )
-        if built.master is not None:
-            built.master.copy_to_model()
-        if env.is_main:
-            print(
-                f"[lmms-train] resumed from {resume} at step {state.step}",
-                file=sys.stderr,
-                flush=True,
-            )
+    if start.resume is not None:
+        _resume(cfg, env, start, built, optimizer=optimizer, scheduler=scheduler, state=state,
+                data=data)  # fmt: skip
     if env.is_main:  # only now: a run that could not start leaves the folder's config alone
-        _claim_folder(out, run_id, resume, overwrite=t.overwrite_output_dir)
+        _claim_folder(out, start.run_id, start.resume, overwrite=t.overwrite_output_dir)
         (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        banner = start_banner(cfg, env, spec, built.state_module, out=out, resumed=resume,
+        banner = start_banner(cfg, env, spec, built.state_module, out=out, resumed=start.resume,
                               step=state.step)  # fmt: skip
         print(banner, file=sys.stderr, flush=True)
-    logger = (
-        _sinks(cfg, out, state.step if resume is not None else None)
-        if env.is_main
-        else MetricsLogger([])
-    )
+    resume_step = state.step if start.resume is not None else None
     run = Run(
         cfg=cfg,
         env=env,
@@ -206,69 +174,178 @@ def _train(cfg: TrainConfig, env: DistEnv) -> TrainOutcome:
         model=built.model,
         state_model=built.state_module,
         hf_config=built.hf_config,
-        forward=make_forward(
-            spec,
-            built.model,
-            env,
-            loss_backend=cfg.trainer_args.loss_backend,
-            objective=built.objective,
-            seed=t.seed,
-            split_vision=t.sp_split_vision,
-            reference=None if built.adapter is None else built.adapter.disabled,
-        ),
+        forward=_forward(cfg, env, spec, built),
         optimizer=optimizer,
         scheduler=scheduler,
         data=data,
         eval_data=eval_data,
-        checkpointer=checkpointer,
-        logger=logger,
+        checkpointer=start.checkpointer,
+        logger=_sinks(cfg, out, resume_step) if env.is_main else MetricsLogger([]),
         state=state,
         peak_flops=peak_flops_for(env.device, t.peak_flops),
-        guard=DivergenceGuard(
-            policy=t.on_nonfinite,
-            max_skips=t.max_nonfinite_skips,
-            vocab_size=vocab_size_of(built.hf_config),
-            last_good=checkpointer.latest_text,
-            announce=env.is_main,
-            skipped=int(state.extra.get("skipped_steps", 0)),
-        ),
+        guard=_guard(cfg, env, built, start.checkpointer, state),
     )
-    try:
-        last = train_loop(run)
-    except torch.OutOfMemoryError as exc:
-        raise out_of_memory(exc, cfg, state.step + 1, env.device) from exc
-    finally:
-        logger.close()
+    last = _run_loop(run)
     if t.export_hf and state.step >= t.max_steps and not run.stopped:
-        from lmms_train._data_setup import _processor_path
-        from lmms_train._export import export_run
-
-        source = cfg.model_config.load_from_pretrained_path
-        hf = export_run(built.model, out / "hf", weights=built.state_module,
-                        processor_path=_processor_path(cfg), dtype=t.export_dtype,
-                        adapter=built.adapter, adapter_dir=out / "adapter",
-                        writer=spec.export_writer(built.model))  # fmt: skip
-        if hf is not None:  # the family's release layout, if any (e.g. a full Omni)
-            spec.finish_export(hf, source)
-        if t.ema_decay is not None:  # the EMA weights, same layout
-            from lmms_train._ema import ema_weights
-
-            with ema_weights(optimizer):
-                hf = export_run(built.model, out / "hf_ema", weights=built.state_module,
-                                processor_path=_processor_path(cfg), dtype=t.export_dtype,
-                                adapter=built.adapter, adapter_dir=out / "adapter_ema",
-                                writer=spec.export_writer(built.model))  # fmt: skip
-            if hf is not None:
-                spec.finish_export(hf, source)
+        _export(cfg, spec, built, optimizer)
     if env.is_main:
         _plot_quietly(out)
         summary = end_summary(out=out, steps=state.step, max_steps=t.max_steps,
                               tokens=state.tokens_seen, seconds=time.perf_counter() - started,
                               metrics=last, stopped=run.stopped,
-                              checkpoint=checkpointer.ckpt.latest(),
+                              checkpoint=start.checkpointer.ckpt.latest(),
                               exported=t.export_hf and (out / "hf").is_dir())  # fmt: skip
         print(summary, file=sys.stderr, flush=True)
     return TrainOutcome(metrics=last, stopped=run.stopped)
+
+
+@dataclass(kw_only=True, slots=True)
+class _StartPoint:
+    """Where a run starts: its checkpointer, the checkpoint to resume from (None: a fresh
+    start), the lineage id of its folder, and the model/data keys that differ from the
+    checkpoint's config."""
+
+    checkpointer: RunCheckpointer
+    resume: Path | None
+    run_id: str
+    differences: list[str]
+
+
+def _start_point(cfg: TrainConfig, env: DistEnv, out: Path) -> _StartPoint:
+    """The resume target and how its config differs, found (and said) before the data."""
+    t = cfg.trainer_args
+    checkpointer = RunCheckpointer(out, t.save_total_limit, config_to_dict(cfg))
+    resume = checkpointer.resolve(t.resume_from)
+    run_id = checkpointer.start_run(resume, env)
+    differences = _differences(cfg, env, resume)
+    return _StartPoint(
+        checkpointer=checkpointer, resume=resume, run_id=run_id, differences=differences
+    )
+
+
+def _model(cfg: TrainConfig, env: DistEnv, spec: Any, token_ids: Any, data: Any) -> BuiltModel:
+    """The model, built once the data is known good: the memory plan first (it may stop the
+    run, or choose its layout), then the build; the loader's vision balancing gets its cost."""
+    seed_everything(cfg.trainer_args.seed)
+    _memory_plan(cfg, env, spec, token_ids)  # may stop the run, or choose its layout (auto)
+    built = build_model(cfg, env, spec, token_ids)
+    if hasattr(data, "loader") and hasattr(data.loader, "set_vision_cost"):  # balancing's cost
+        data.loader.set_vision_cost(functools.partial(spec.pack_vision_flops, built.hf_config))
+    return built
+
+
+def _optimizer(built: BuiltModel, spec: Any, t: Any) -> torch.optim.Optimizer:
+    optimizer = build_optimizer(built.model, spec, t, built.master)
+    if t.ema_decay is not None:  # EMA of the weights, in the optimizer's state (_ema)
+        from lmms_train._ema import install_ema
+
+        install_ema(optimizer, t.ema_decay)
+    return optimizer
+
+
+def _resume(
+    cfg: TrainConfig,
+    env: DistEnv,
+    start: _StartPoint,
+    built: BuiltModel,
+    *,
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainState,
+    data: Any,
+) -> None:
+    """Load the checkpoint into the model (its fp32 masters, if any), the optimizer, the
+    scheduler, the trainer state and the data's position."""
+    start.checkpointer.load(
+        start.resume,
+        model=built.state_module,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state=state,
+        data=data,
+        env=env,
+        on_data_change=cfg.trainer_args.on_data_change,
+        differences=start.differences,
+    )
+    if built.master is not None:
+        built.master.copy_to_model()
+    if env.is_main:
+        print(
+            f"[lmms-train] resumed from {start.resume} at step {state.step}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _forward(cfg: TrainConfig, env: DistEnv, spec: Any, built: BuiltModel) -> Any:
+    """`(model, batch) -> (loss_sum, n_tokens)` under the run's objective (the adapter-disabled
+    model as the reference of a preference objective under LoRA)."""
+    t = cfg.trainer_args
+    return make_forward(
+        spec,
+        built.model,
+        env,
+        loss_backend=t.loss_backend,
+        objective=built.objective,
+        seed=t.seed,
+        split_vision=t.sp_split_vision,
+        reference=None if built.adapter is None else built.adapter.disabled,
+    )
+
+
+def _guard(
+    cfg: TrainConfig,
+    env: DistEnv,
+    built: BuiltModel,
+    checkpointer: RunCheckpointer,
+    state: TrainState,
+) -> DivergenceGuard:
+    t = cfg.trainer_args
+    return DivergenceGuard(
+        policy=t.on_nonfinite,
+        max_skips=t.max_nonfinite_skips,
+        vocab_size=vocab_size_of(built.hf_config),
+        last_good=checkpointer.latest_text,
+        announce=env.is_main,
+        skipped=int(state.extra.get("skipped_steps", 0)),  # a resumed run's, so far
+    )
+
+
+def _run_loop(run: Run) -> dict[str, Any]:
+    """The loop; out of device memory becomes one user error naming the step and the settings."""
+    try:
+        return train_loop(run)
+    except torch.OutOfMemoryError as exc:
+        raise out_of_memory(exc, run.cfg, run.state.step + 1, run.env.device) from exc
+    finally:
+        run.logger.close()
+
+
+def _export(cfg: TrainConfig, spec: Any, built: BuiltModel, optimizer: Any) -> None:
+    """`export_hf`: the trained weights as an HF folder `hf` (LoRA: also `adapter`), and under
+    `ema_decay` the EMA weights as `hf_ema` (`adapter_ema`)."""
+    out = Path(cfg.trainer_args.output_dir)
+    _export_to(cfg, spec, built, out / "hf", out / "adapter")
+    if cfg.trainer_args.ema_decay is not None:  # the EMA weights, same layout
+        from lmms_train._ema import ema_weights
+
+        with ema_weights(optimizer):
+            _export_to(cfg, spec, built, out / "hf_ema", out / "adapter_ema")
+
+
+def _export_to(
+    cfg: TrainConfig, spec: Any, built: BuiltModel, hf_dir: Path, adapter_dir: Path
+) -> None:
+    from lmms_train._data_setup import _processor_path
+    from lmms_train._export import export_run
+
+    t = cfg.trainer_args
+    hf = export_run(built.model, hf_dir, weights=built.state_module,
+                    processor_path=_processor_path(cfg), dtype=t.export_dtype,
+                    adapter=built.adapter, adapter_dir=adapter_dir,
+                    writer=spec.export_writer(built.model))  # fmt: skip
+    if hf is not None:  # the family's release layout, if any (e.g. a full Omni)
+        spec.finish_export(hf, cfg.model_config.load_from_pretrained_path)
 
 
 def _differences(cfg: TrainConfig, env: DistEnv, resume: Path | None) -> list[str]:

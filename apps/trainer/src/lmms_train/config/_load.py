@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from lmms_train._errors import ConfigError, suggest
-from lmms_train.config._schema import TrainConfig
+from lmms_train.config._schema import TrainConfig, TrainerArgs
 
 __all__ = ["apply_overrides", "config_from_dict", "config_to_dict", "load_config"]
 
@@ -236,6 +236,14 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def _validate(cfg: TrainConfig) -> None:
+    _validate_sources(cfg)
+    _validate_optimizer(cfg.trainer_args)
+    _validate_run(cfg)
+    _validate_ranges(cfg)
+
+
+def _validate_sources(cfg: TrainConfig) -> None:
+    """What is trained on: one model source, the data's path, packing and bad records."""
     m, d, t = cfg.model_config, cfg.dataset_config, cfg.trainer_args
     _check(
         (m.load_from_pretrained_path is None) != (m.load_from_config is None),
@@ -261,10 +269,12 @@ def _validate(cfg: TrainConfig) -> None:
             f"dataset_config.{key}: {value!r} is not one of {', '.join(choices)}{suggest(value, choices)}",
         )
     _check(
-        t.max_steps > 0 or (t.max_steps == -1 and d.num_epochs is not None),
-        "trainer_args.max_steps must be > 0 (or -1 with dataset_config.num_epochs: the run ends "
-        "after that many passes over the data)",
+        0 <= d.max_bad_record_ratio <= 1, "dataset_config.max_bad_record_ratio must be in [0, 1]"
     )
+
+
+def _validate_optimizer(t: TrainerArgs) -> None:
+    """Steps, accumulation, learning rates and the optimizers' hyper-parameters."""
     _check(
         t.gradient_accumulation_steps >= 1, "trainer_args.gradient_accumulation_steps must be >= 1"
     )
@@ -284,17 +294,25 @@ def _validate(cfg: TrainConfig) -> None:
     for key in ("adam_beta1", "adam_beta2", "muon_momentum"):
         _check(0 <= getattr(t, key) < 1, f"trainer_args.{key} must be in [0, 1)")
     _check(t.adam_epsilon > 0, "trainer_args.adam_epsilon must be > 0")
-    _check(
-        0 <= d.max_bad_record_ratio <= 1, "dataset_config.max_bad_record_ratio must be in [0, 1]"
-    )
-    _check(t.logging_steps >= 1, "trainer_args.logging_steps must be >= 1")
-    _check(t.max_nonfinite_skips >= 1, "trainer_args.max_nonfinite_skips must be >= 1")
-    _check(t.eval_batches >= 1, "trainer_args.eval_batches must be >= 1")
     _check(t.max_grad_norm >= 0, "trainer_args.max_grad_norm must be >= 0 (0 disables clipping)")
     _check(0 <= t.warmup_ratio < 1, "trainer_args.warmup_ratio must be in [0, 1)")
     _check(0 <= t.min_lr_ratio <= 1, "trainer_args.min_lr_ratio must be in [0, 1]")
     _check(0 < t.wsd_decay_ratio <= 1, "trainer_args.wsd_decay_ratio must be in (0, 1]")
     _check(t.warmup_steps >= 0, "trainer_args.warmup_steps must be >= 0")
+
+
+def _validate_run(cfg: TrainConfig) -> None:
+    """The run's length, parallel degrees, logging, evaluation, checkpoints, profiling and
+    memory settings."""
+    d, t = cfg.dataset_config, cfg.trainer_args
+    _check(
+        t.max_steps > 0 or (t.max_steps == -1 and d.num_epochs is not None),
+        "trainer_args.max_steps must be > 0 (or -1 with dataset_config.num_epochs: the run ends "
+        "after that many passes over the data)",
+    )
+    _check(t.logging_steps >= 1, "trainer_args.logging_steps must be >= 1")
+    _check(t.max_nonfinite_skips >= 1, "trainer_args.max_nonfinite_skips must be >= 1")
+    _check(t.eval_batches >= 1, "trainer_args.eval_batches must be >= 1")
     _check(t.sp_ulysses_degree >= 1, "trainer_args.sp_ulysses_degree must be >= 1")
     _check(t.dp_replicate >= 1, "trainer_args.dp_replicate must be >= 1")
     _check(t.save_total_limit >= 1, "trainer_args.save_total_limit must be >= 1")
@@ -331,11 +349,10 @@ def _validate(cfg: TrainConfig) -> None:
         "trainer_args.vision_activation_checkpointing_fraction must be in [0, 1], got "
         f"{t.vision_activation_checkpointing_fraction!r}",
     )
-    _validate_ranges(cfg)
 
 
 def _validate_ranges(cfg: TrainConfig) -> None:
-    """The numeric ranges not checked above (each value alone)."""
+    """The remaining numeric ranges (each value alone): EMA, TP/EP, GC, LoRA, media sizes."""
     m, d, t = cfg.model_config, cfg.dataset_config, cfg.trainer_args
     e = t.ema_decay
     _check(
