@@ -6,38 +6,12 @@ GC control in a compiled run are checked in `test_compile.py` (one dynamo-traced
 from __future__ import annotations
 
 import gc
-import json
 
 import pytest
 
 from lmms_train import train
 from lmms_train._gc_clock import GcClock, GcControl
 from lmms_train.config import config_from_dict
-
-
-def _cfg(tmp_path, out: str, **trainer):
-    return config_from_dict({
-        "model_config": {
-            "load_from_config": {"model_type": "qwen2", "tiny": True},
-            "processor_path": str(tmp_path / "processor"),
-            "build_local_processor": True,
-        },
-        "dataset_config": {
-            "dataset_path": str(tmp_path / "data"),
-            "generate_synthetic": {"kind": "text", "num_samples": 96, "seed": 0},
-            "packing": True, "packing_length": 256, "num_workers": 0,
-        },
-        "trainer_args": {
-            "output_dir": str(tmp_path / out), "max_steps": 3, "learning_rate": 3e-3,
-            "bf16": False, "eval_steps": 0, "save_final": False, "report_to": [], "seed": 0,
-            **trainer,
-        },
-    })  # fmt: skip
-
-
-def _rows(tmp_path, out: str) -> list[dict]:
-    lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
 
 
 def test_gc_control_stops_automatic_collections():
@@ -86,17 +60,22 @@ def test_gc_control_stops_automatic_collections():
 
 
 @pytest.mark.slow  # ~15 s on an idle 2-core machine: three tiny runs
-def test_bf16_optimizer_state_trains_and_resumes_exactly(tmp_path):
+def test_bf16_optimizer_state_trains_and_resumes_exactly(text_config, logged_steps):
     """`optimizer_state_dtype: bfloat16` (lmms_optim.LowPrecisionAdamW): a run saved at step 2
     and resumed to step 4 logs the uninterrupted run's losses bit for bit (the stochastic
     rounding's draws are seeded by the step, kept in the checkpoint)."""
-    kw = dict(optimizer_state_dtype="bfloat16", lr_scheduler_type="constant", weight_decay=0.1)
-    train(_cfg(tmp_path, "ref", max_steps=4, **kw))
-    train(_cfg(tmp_path, "run", max_steps=2, save_final=True, **kw))
-    train(_cfg(tmp_path, "run", max_steps=4, resume_from="latest", **kw))
-    ref, run = _rows(tmp_path, "ref"), _rows(tmp_path, "run")
+
+    def cfg(out: str, **trainer):
+        kw = dict(optimizer_state_dtype="bfloat16", lr_scheduler_type="constant",
+                  weight_decay=0.1, save_final=False)  # fmt: skip
+        return config_from_dict(text_config(out, **{**kw, **trainer}))
+
+    train(cfg("ref", max_steps=4))
+    train(cfg("run", max_steps=2, save_final=True))
+    train(cfg("run", max_steps=4, resume_from="latest"))
+    ref, run = logged_steps("ref"), logged_steps("run")
     assert [r["step"] for r in run] == [1, 2, 3, 4]
     assert [r["loss"] for r in run] == [r["loss"] for r in ref]
     assert ref[-1]["loss"] < ref[0]["loss"]
     with pytest.raises(ValueError, match="Muon keeps fp32 state"):
-        train(_cfg(tmp_path, "muon", optimizer="muon", optimizer_state_dtype="bfloat16"))
+        train(cfg("muon", optimizer="muon", optimizer_state_dtype="bfloat16"))

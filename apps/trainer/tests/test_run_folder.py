@@ -13,33 +13,10 @@ from lmms_train._optim_setup import build_schedule
 from lmms_train.config import config_from_dict
 
 
-def _cfg(tmp_path, out: str, **trainer):
-    return config_from_dict(_raw(tmp_path, out, **trainer))
-
-
-def _raw(tmp_path, out: str, **trainer) -> dict:
-    return {
-        "model_config": {
-            "load_from_config": {"model_type": "qwen2", "tiny": True},
-            "processor_path": str(tmp_path / "processor"),
-            "build_local_processor": True,
-        },
-        "dataset_config": {
-            "dataset_path": str(tmp_path / "data"),
-            "generate_synthetic": {"kind": "text", "num_samples": 96, "seed": 0},
-            "packing": True, "packing_length": 128, "num_workers": 0,
-        },
-        "trainer_args": {
-            "output_dir": str(tmp_path / out), "max_steps": 3, "learning_rate": 3e-3,
-            "bf16": False, "eval_steps": 0, "save_final": True, "report_to": [], "seed": 0,
-            **trainer,
-        },
-    }  # fmt: skip
-
-
-def _rows(tmp_path, out: str) -> list[dict]:
-    lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if "loss" in r]
+@pytest.fixture
+def cfg(text_config):
+    """`cfg(out, **trainer_args)`: a 3-step text run (packs of 128 tokens) into `tmp_path / out`."""
+    return lambda out, **trainer: config_from_dict(text_config(out, packing_length=128, **trainer))
 
 
 def _expected_lrs(cfg, steps: int) -> list[float]:
@@ -56,22 +33,22 @@ def _expected_lrs(cfg, steps: int) -> list[float]:
     return lrs
 
 
-def test_resume_follows_the_new_schedule(tmp_path):
+def test_resume_follows_the_new_schedule(cfg, logged_steps):
     """Run to step 3 of a 3-step cosine schedule, resume to 6 with another warmup, floor and
     peak: every logged LR (old steps' history kept) is the new schedule's from step 4 on."""
     kw = dict(lr_scheduler_type="cosine", warmup_steps=1, min_lr_ratio=0.0)
-    train(_cfg(tmp_path, "run", **kw))
-    new = _cfg(tmp_path, "run", max_steps=6, resume_from="latest", learning_rate=2e-3,
+    train(cfg("run", **kw))
+    new = cfg("run", max_steps=6, resume_from="latest", learning_rate=2e-3,
                lr_scheduler_type="linear", warmup_steps=2, min_lr_ratio=0.1)  # fmt: skip
     train(new)
-    rows = _rows(tmp_path, "run")
+    rows = logged_steps("run")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # the first 3 rows kept
-    old = _expected_lrs(_cfg(tmp_path, "run", **kw), 3)
+    old = _expected_lrs(cfg("run", **kw), 3)
     assert [r["lr"] for r in rows[:3]] == pytest.approx(old)
     assert [r["lr"] for r in rows[3:]] == pytest.approx(_expected_lrs(new, 6)[3:], rel=1e-12)
 
 
-def test_runs_in_one_folder_stay_apart(tmp_path, capsys):
+def test_runs_in_one_folder_stay_apart(tmp_path, capsys, cfg, text_config, logged_steps):
     """The issue's sequence: a fresh run into a used folder is one error line (exit 2, nothing
     touched); a run resumed there from another folder's checkpoint prunes only its own lineage
     (the other run's newer step_000003 stays, its own step_000002 is kept), the end summary names
@@ -81,10 +58,10 @@ def test_runs_in_one_folder_stay_apart(tmp_path, capsys):
     from lmms_train.cli import main
 
     x, y = tmp_path / "x", tmp_path / "y"
-    train(_cfg(tmp_path, "x"))  # run A: steps 1-3, checkpoint step_000003
+    train(cfg("x"))  # run A: steps 1-3, checkpoint step_000003
     before = sorted(str(p.relative_to(x)) for p in x.rglob("*"))
     path = tmp_path / "fresh.yaml"
-    raw = yaml.safe_load(yaml.safe_dump(_raw(tmp_path, "x")))
+    raw = yaml.safe_load(yaml.safe_dump(text_config("x", packing_length=128)))
     path.write_text(yaml.safe_dump(raw))
     assert main([str(path)]) == 2
     err = capsys.readouterr().err
@@ -95,22 +72,22 @@ def test_runs_in_one_folder_stay_apart(tmp_path, capsys):
     assert sorted(str(p.relative_to(x)) for p in x.rglob("*")) == before
     run_a = json.loads((x / "run.json").read_text())["run_id"]
 
-    train(_cfg(tmp_path, "y", max_steps=1))  # run C
-    train(_cfg(tmp_path, "x", max_steps=2, save_steps=1, save_total_limit=1,
+    train(cfg("y", max_steps=1))  # run C
+    train(cfg("x", max_steps=2, save_steps=1, save_total_limit=1,
                resume_from=str(y / "checkpoints" / "step_000001")))  # fmt: skip
     assert sorted(p.name for p in (x / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     assert f"wrote {x / 'metrics.jsonl'}, {x / 'checkpoints' / 'step_000002'}" in (
         capsys.readouterr().err
     )
     assert (x / f"metrics.{run_a}.jsonl").is_file()  # run A's history, set aside
-    train(_cfg(tmp_path, "x", max_steps=4, save_total_limit=1, resume_from="latest"))
+    train(cfg("x", max_steps=4, save_total_limit=1, resume_from="latest"))
     err = capsys.readouterr().err
     assert "resumed from" in err and "step_000002 at step 2" in err
     assert sorted(p.name for p in (x / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
-    assert [r["step"] for r in _rows(tmp_path, "x")] == [2, 3, 4]  # kept across the resume
+    assert [r["step"] for r in logged_steps("x")] == [2, 3, 4]  # kept across the resume
 
-    train(_cfg(tmp_path, "x", max_steps=1, overwrite_output_dir=True))
+    train(cfg("x", max_steps=1, overwrite_output_dir=True))
     assert sorted(p.name for p in (x / "checkpoints").iterdir()) == ["step_000001"]
-    assert [r["step"] for r in _rows(tmp_path, "x")] == [1]
+    assert [r["step"] for r in logged_steps("x")] == [1]
     assert not list(x.glob("metrics.*.jsonl"))
     assert json.loads((x / "run.json").read_text())["run_id"] != run_a

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmms_train._cli_args import take_option
 from lmms_train._errors import UserError
 
 __all__ = ["PLAN_USAGE", "plan_main", "plan_report"]
@@ -21,15 +22,6 @@ PLAN_USAGE = (
     "[--media-share X]"
 )
 EXIT_DOES_NOT_FIT = 3
-
-
-def _take(args: list[str], name: str) -> tuple[list[str], str | None]:
-    if name not in args:
-        return args, None
-    i = args.index(name)
-    if i + 1 >= len(args):
-        raise UserError(PLAN_USAGE)
-    return args[:i] + args[i + 2 :], args[i + 1]
 
 
 def plan_report(
@@ -67,9 +59,9 @@ def plan_main(args: list[str]) -> int:
     """The subcommand: print the plan; exit 0 if the config fits, 3 if not."""
     from lmms_train.config import load_config
 
-    args, gpus = _take(args, "--gpus")
-    args, mem = _take(args, "--gpu-mem")
-    args, share = _take(args, "--media-share")
+    args, gpus = take_option(args, "--gpus", PLAN_USAGE)
+    args, mem = take_option(args, "--gpu-mem", PLAN_USAGE)
+    args, share = take_option(args, "--media-share", PLAN_USAGE)
     if not args or args[0].startswith("-") or "=" in args[0]:
         raise UserError(PLAN_USAGE)
     try:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from lmms_train._cli_args import take_option
 from lmms_train._diffusion_cli import PRECOMPUTE_USAGE, RENDER_USAGE, precompute_main, render_main
 from lmms_train._errors import ConfigError, UserError
 from lmms_train._launch import USAGE as LAUNCH_USAGE
@@ -25,21 +26,12 @@ CHECK_USAGE = "usage: lmms-train check-data CONFIG.yaml [section.key=value ...] 
 CONVERT_USAGE = "usage: lmms-train convert-config ENGINE_CONFIG.yaml [-o OUT.yaml]"
 
 
-def _option(args: list[str], name: str, usage: str) -> tuple[list[str], str | None]:
-    if name not in args:
-        return args, None
-    i = args.index(name)
-    if i + 1 >= len(args):
-        raise UserError(usage)
-    return args[:i] + args[i + 2 :], args[i + 1]
-
-
 def check_data_main(args: list[str]) -> int:
     """Process the first N records of CONFIG's data and print the report (exit 0)."""
     from lmms_train._check_data import check_data
     from lmms_train.config import load_config
 
-    args, n = _option(args, "--num-records", CHECK_USAGE)
+    args, n = take_option(args, "--num-records", CHECK_USAGE)
     if not args or "=" in args[0]:
         raise UserError(CHECK_USAGE)
     try:
@@ -59,7 +51,7 @@ def convert_config_main(args: list[str]) -> int:
     line per key that cannot be converted."""
     from lmms_train._convert_config import convert, render
 
-    args, out = _option(args, "-o", CONVERT_USAGE)
+    args, out = take_option(args, "-o", CONVERT_USAGE)
     if len(args) != 1:
         raise UserError(CONVERT_USAGE)
     path = Path(args[0])
@@ -135,7 +127,7 @@ def sample_main(args: list[str]) -> int:
     opts: dict[str, str | None] = {}
     for name in ("--prompt", "--processor", "--gen-length", "--steps", "--block-length",
                  "--temperature", "--mask-token-id"):  # fmt: skip
-        args, opts[name] = _option(args, name, SAMPLE_USAGE)
+        args, opts[name] = take_option(args, name, SAMPLE_USAGE)
     flags = {f for f in ("--raw", "--show-steps") if f in args}
     args = [a for a in args if a not in flags]
     if len(args) != 1 or opts["--prompt"] is None:
@@ -172,20 +164,6 @@ def plan_main(args: list[str]) -> int:
     return run(args)
 
 
-# `lmms-train NAME --help` (cli.py); a command not named here shows its function's docstring
-USAGES = {
-    "launch": LAUNCH_USAGE,
-    "plan": PLAN_USAGE,
-    "check-data": CHECK_USAGE,
-    "convert-config": CONVERT_USAGE,
-    "sample": SAMPLE_USAGE,
-    "render": RENDER_USAGE,
-    "precompute": PRECOMPUTE_USAGE,
-    "--version": "usage: lmms-train --version",
-    "-V": "usage: lmms-train -V",
-}
-
-
 def launch_main(args: list[str]) -> int:
     """`lmms-train launch`: torchrun with the workers' exit codes kept (`_launch`)."""
     from lmms_train._launch import launch_main as run
@@ -193,14 +171,17 @@ def launch_main(args: list[str]) -> int:
     return run(args)
 
 
-SUBCOMMANDS = {
-    "launch": launch_main,
-    "plan": plan_main,
-    "render": render_main,
-    "precompute": precompute_main,
-    "sample": sample_main,
-    "check-data": check_data_main,
-    "convert-config": convert_config_main,
-    "--version": version_main,
-    "-V": version_main,
+# name: (function, the usage `lmms-train NAME --help` prints (cli.py))
+_COMMANDS = {
+    "launch": (launch_main, LAUNCH_USAGE),
+    "plan": (plan_main, PLAN_USAGE),
+    "render": (render_main, RENDER_USAGE),
+    "precompute": (precompute_main, PRECOMPUTE_USAGE),
+    "sample": (sample_main, SAMPLE_USAGE),
+    "check-data": (check_data_main, CHECK_USAGE),
+    "convert-config": (convert_config_main, CONVERT_USAGE),
+    "--version": (version_main, "usage: lmms-train --version"),
+    "-V": (version_main, "usage: lmms-train -V"),
 }
+SUBCOMMANDS = {name: fn for name, (fn, _) in _COMMANDS.items()}
+USAGES = {name: usage for name, (_, usage) in _COMMANDS.items()}
