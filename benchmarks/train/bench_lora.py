@@ -80,9 +80,11 @@ def run_one(config: str, info_file: str) -> int:
 def run_case(name: str, case: dict, work: Path, cli: argparse.Namespace) -> dict:
     import yaml
 
-    args = _args({"steps": cli.steps, "warmup": cli.warmup}, cli)
+    # bench_memory_plan's options builder: this case's steps, no --vl-* override
+    opts = argparse.Namespace(**{**vars(cli), "vl_warmup": None, "vl_steps": None})
+    args = _args({"steps": cli.steps, "warmup": cli.warmup}, opts)
     cfg = bench_train.lmms_config(name, case, work, args)
-    cfg["trainer_args"].update(case.get("trainer", {}))
+    cfg["trainer_args"].update(case.get("trainer", {}), overwrite_output_dir=True)  # reruns
     if "lora" in case:
         cfg["model_config"]["lora"] = case["lora"]
     path, info = work / f"{name}.yaml", work / f"{name}.build.json"
@@ -115,6 +117,13 @@ def run_case(name: str, case: dict, work: Path, cli: argparse.Namespace) -> dict
     return row
 
 
+def _guarded(name: str, work: Path, cli: argparse.Namespace) -> dict:
+    try:
+        return run_case(name, CASES[name], work, cli)
+    except Exception as exc:
+        return {"case": name, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -133,14 +142,10 @@ def main() -> None:
     if not target.exists():
         write_parquet(make_records(64 if cli.tiny else cli.records, 0, images=True, tiny=cli.tiny),
                       target)  # fmt: skip
-    results = []
-    for name in cli.cases:
-        try:
-            res = run_case(name, CASES[name], work, cli)
-        except Exception as exc:  # one case's failure is a row, the others still run
-            res = {"case": name, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
-        print(json.dumps(res), flush=True)
-        results.append(res)
+    results: list[dict] = []
+    for name in cli.cases:  # one case's failure is a row, the others still run
+        results.append(_guarded(name, work, cli))
+        print(json.dumps(results[-1]), flush=True)
         if os.environ.get("OUT"):  # after every case: a call cut short keeps what ran
             Path(os.environ["OUT"], "bench_lora.json").write_text(json.dumps(results, indent=1))
     cols = ["case", "status", "tok_s", "mfu", "step_s", "train_peak_gib", "build_peak_gib",
