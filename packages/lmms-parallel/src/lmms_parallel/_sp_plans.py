@@ -109,23 +109,16 @@ class _GatherTokens(torch.autograd.Function):
         return grad[:, lo : lo + ctx.n] * ctx.sp, None
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad * ctx.factor, None
-
-
 def sp_replicated_grad(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """``x`` unchanged; its gradient divided by the size of ``group``: a value every SP rank
-    computes whole (a loss over the gathered row), so the group's summed gradient is one
+    """``x`` unchanged (a view); its gradient divided by the size of ``group``: a value every SP
+    rank computes whole (a loss over the gathered row), so the group's summed gradient is one
     process's."""
     sp, _ = _size_rank(group)
-    return x if sp == 1 else _ScaleGrad.apply(x, 1.0 / sp)
+    if sp == 1 or not x.requires_grad:
+        return x
+    y = x.view_as(x)  # the hook sees only the gradient that flows through this result
+    y.register_hook(lambda grad: grad * (1.0 / sp))
+    return y
 
 
 def _tokens_to_heads(x: torch.Tensor, group: Any, sp: int) -> torch.Tensor:
