@@ -152,3 +152,26 @@ def test_auto_chooses_the_fsdp_degree_on_several_gpus(tmp_path, vl3b):
     assert replicated is not None and layout_cost(vl_facts, replicated[0]) > layout_cost(
         vl_facts, vl8
     )
+
+
+def test_auto_ranks_selective_checkpointing(tmp_path):
+    """Selective checkpointing (matmul outputs kept, the rest recomputed) is among `memory:
+    auto`'s candidates: Qwen2.5-3B text at 16k on an 80 GB card fits with every block selective
+    and bf16 moments, ranked cheaper than the fewest fully checkpointed blocks that fit."""
+    from dataclasses import replace
+
+    from lmms_train._memory_fit import AUTO_SAFETY, layout_cost
+
+    cfg = _cfg(tmp_path, "qwen2_5", "3b")
+    facts = model_facts(cfg, resolve_spec(cfg))
+    base = layout_of(cfg)
+    lay, plan = choose_layout(facts, base, H100)
+    assert plan.fits and lay.ac["decoder"] == ("selective", 1.0), lay
+    assert lay.state_dtype == "bfloat16"
+    n = facts.towers["decoder"].layers
+    fits = [
+        replace(base, ac={"decoder": ("full", k / n + 1e-9)}, state_dtype="bfloat16")
+        for k in range(n + 1)
+    ]
+    fits = [c for c in fits if plan_memory(facts, c, H100).needed * (1 + AUTO_SAFETY) <= H100 * GIB]
+    assert fits and layout_cost(facts, lay) < layout_cost(facts, fits[0])
