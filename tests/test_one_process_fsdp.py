@@ -25,15 +25,17 @@ def no_torchrun(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def _spy_run(monkeypatch) -> dict:
-    """Record what the loop gets: parameter types, what the optimizer steps, compute dtype of a
-    block."""
-    seen: dict = {"block_dtypes": set()}
+def _spy_runs(monkeypatch) -> list[dict]:
+    """Record what the loop gets in each run: parameter types, what the optimizer steps,
+    compute dtype of a block."""
+    runs: list[dict] = []
     original = trainer.train_loop
 
     def spy(run):
         from torch.distributed.tensor import DTensor
 
+        seen: dict = {"block_dtypes": set()}
+        runs.append(seen)
         seen["dtensor"] = all(isinstance(p, DTensor) for p in run.model.parameters())
         seen["master"] = {p.dtype for p in run.model.parameters()}
         seen["stepped"] = {p.dtype for g in run.optimizer.param_groups for p in g["params"]}
@@ -48,41 +50,19 @@ def _spy_run(monkeypatch) -> dict:
         return original(run)
 
     monkeypatch.setattr(trainer, "train_loop", spy)
-    return seen
+    return runs
 
 
-def test_one_process_bf16_goes_through_fsdp(tiny_inputs, tmp_path, monkeypatch, no_torchrun):
-    seen = _spy_run(monkeypatch)
-    cfg = tiny_config(
-        tiny_inputs, tmp_path / "run", max_steps=2, save_final=False, bf16=True, fsdp=True
-    )
-    last = train(config_from_dict(cfg))
-    assert seen["group"] and seen["dtensor"], seen
-    assert seen["master"] == seen["stepped"] == {torch.float32}  # fp32 master weights
-    assert torch.bfloat16 in seen["block_dtypes"], seen["block_dtypes"]
-    assert not torch.distributed.is_initialized()  # the run's own 1-rank group is destroyed
-    assert torch.isfinite(torch.tensor(last["loss"]))
-
-
-@pytest.mark.parametrize("fsdp", [None, False])
-def test_one_process_default_is_a_bf16_module_with_fp32_masters(
-    tiny_inputs, tmp_path, monkeypatch, no_torchrun, fsdp
+def test_master_weights_equal_fsdp2_mixed_precision(
+    tiny_inputs, tmp_path, monkeypatch, no_torchrun
 ):
-    seen = _spy_run(monkeypatch)
-    cfg = tiny_config(
-        tiny_inputs, tmp_path / "run", max_steps=1, save_final=False, bf16=True, fsdp=fsdp
-    )
-    train(config_from_dict(cfg))
-    assert not seen["group"] and not seen["dtensor"]
-    assert seen["master"] == seen["block_dtypes"] == {torch.bfloat16}
-    assert seen["stepped"] == {torch.float32}
-
-
-def test_master_weights_equal_fsdp2_mixed_precision(tiny_inputs, tmp_path, no_torchrun):
-    """bf16 on one process: FSDP2's MixedPrecisionPolicy and MasterWeights are the same
-    arithmetic (bf16 casts of fp32 masters, gradients accumulated over micro-batches in fp32),
-    so losses and grad norms are equal over steps, and a checkpoint of either resumes the other
-    exactly."""
+    """bf16 on one process: `fsdp: true` goes through FSDP2 (DTensor parameters on a 1-rank
+    group, destroyed after the run; fp32 masters, bf16 compute in the blocks); `fsdp: false` and
+    the default (null) train a bf16 module whose fp32 masters the optimizer steps
+    (MasterWeights). Both are the same arithmetic (bf16 casts of fp32 masters, gradients
+    accumulated over micro-batches in fp32), so losses and grad norms are equal over steps, and a
+    checkpoint of either resumes the other exactly."""
+    seen = _spy_runs(monkeypatch)
     losses, runs = {}, {}
     for fsdp in (True, False):
         out = runs[fsdp] = tmp_path / f"fsdp_{fsdp}"
@@ -91,12 +71,13 @@ def test_master_weights_equal_fsdp2_mixed_precision(tiny_inputs, tmp_path, no_to
             fsdp=fsdp, gradient_accumulation_steps=2,
         )  # fmt: skip
         train(config_from_dict(cfg))
+        assert not torch.distributed.is_initialized()  # the run's own 1-rank group is destroyed
         losses[fsdp] = [
             r[k] for r in read_jsonl(out / "metrics.jsonl") for k in ("loss", "grad_norm")
         ]
     assert len(losses[True]) == 8
     assert losses[False] == losses[True]
-    for fsdp in (True, False):  # resume steps 3-4 from the other path's step-2 checkpoint
+    for fsdp in (True, None):  # resume steps 3-4 from the other path's step-2 checkpoint
         out = tmp_path / f"resumed_{fsdp}"
         cfg = tiny_config(
             tiny_inputs, out, max_steps=4, save_final=False, bf16=True, fsdp=fsdp,
@@ -106,6 +87,15 @@ def test_master_weights_equal_fsdp2_mixed_precision(tiny_inputs, tmp_path, no_to
         train(config_from_dict(cfg))
         got = [r[k] for r in read_jsonl(out / "metrics.jsonl") for k in ("loss", "grad_norm")]
         assert got == losses[not fsdp][4:], fsdp
+    assert len(seen) == 4  # fsdp: true, false, then true and null resumed
+    for s in seen[0::2]:  # FSDP2: fp32 DTensors stepped as they are, bf16 inside the blocks
+        assert s["group"] and s["dtensor"], s
+        assert s["master"] == s["stepped"] == {torch.float32}
+        assert torch.bfloat16 in s["block_dtypes"], s["block_dtypes"]
+    for s in seen[1::2]:  # a bf16 module, its fp32 masters stepped
+        assert not s["group"] and not s["dtensor"], s
+        assert s["master"] == s["block_dtypes"] == {torch.bfloat16}
+        assert s["stepped"] == {torch.float32}
 
 
 def test_one_process_fsdp_equals_plain_fp32(tiny_inputs, tmp_path, no_torchrun):
@@ -215,34 +205,6 @@ def test_fused_master_step_matches_on_the_gpu(tiny_inputs, tmp_path, no_torchrun
     assert _losses(out) == pytest.approx(losses[True][4:], rel=2e-3)
 
 
-def test_step_metrics_are_read_one_step_late(tiny_inputs, tmp_path, monkeypatch, no_torchrun):
-    """The host reads step k's scalars only after step k+1 is queued (the last step at once),
-    and each read is one copy: the device is never waited for while it still has work."""
-    order: list[str] = []
-
-    class Recording(loop.PendingScalars):
-        def __init__(self, *values):
-            super().__init__(*values)
-            order.append("queue")
-            self.n = order.count("queue")
-
-        def wait(self):
-            order.append(f"read {self.n}")
-            return super().wait()
-
-    monkeypatch.setattr(loop, "PendingScalars", Recording)
-    steps = 4
-    cfg = tiny_config(
-        tiny_inputs, tmp_path / "run", max_steps=steps, save_final=False,
-        gradient_accumulation_steps=2,
-    )  # fmt: skip
-    train(config_from_dict(cfg))
-    assert order == [
-        "queue", "queue", "read 1", "queue", "read 2", "queue", "read 3", "read 4",
-    ], order  # fmt: skip
-    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
-
-
 def test_a_stalled_step_is_named_on_stderr(tiny_inputs, tmp_path, monkeypatch, no_torchrun, capfd):
     """A step whose host stalls (here a sleep in its micro-batches, as a kernel compiled on first
     use would) is named on stderr with its time against the median."""
@@ -265,27 +227,52 @@ def test_a_stalled_step_is_named_on_stderr(tiny_inputs, tmp_path, monkeypatch, n
     assert len(named) == 1 and "x the median of the last " in named[0], lines
 
 
-def test_next_steps_packs_are_read_while_the_backward_runs(
+def test_metrics_are_read_one_step_late_and_packs_one_step_ahead(
     tiny_inputs, tmp_path, monkeypatch, no_torchrun
 ):
-    """Each step's packs are read during the previous step, after its backward is queued and
-    before its optimizer step; the last step reads nothing ahead."""
+    """The host reads step k's scalars only after step k+1 is queued (the last step at once),
+    and each read is one copy: the device is never waited for while it still has work. Each
+    step's packs are read during the previous step, after its backward is queued and before its
+    optimizer step; the last step reads nothing ahead."""
     order: list[str] = []
     fetch, norm = loop._fetch, loop.grad_norm
 
+    class Recording(loop.PendingScalars):
+        def __init__(self, *values):
+            super().__init__(*values)
+            order.append("queue")
+            self.n = order.count("queue")
+
+        def wait(self):
+            order.append(f"read {self.n}")
+            return super().wait()
+
     def recording_fetch(*a, **k):
-        order.append("read")
+        order.append("packs")
         return fetch(*a, **k)
 
     def recording_norm(*a, **k):
         order.append("optimizer")
         return norm(*a, **k)
 
+    monkeypatch.setattr(loop, "PendingScalars", Recording)
     monkeypatch.setattr(loop, "_fetch", recording_fetch)
     monkeypatch.setattr(loop, "grad_norm", recording_norm)
-    cfg = tiny_config(tiny_inputs, tmp_path / "run", max_steps=3, save_final=False)
+    steps = 4
+    cfg = tiny_config(
+        tiny_inputs, tmp_path / "run", max_steps=steps, save_final=False,
+        gradient_accumulation_steps=2,
+    )  # fmt: skip
     train(config_from_dict(cfg))
-    assert order == ["read", "read", "optimizer", "read", "optimizer", "optimizer"], order
+    scalars = [e for e in order if e not in ("packs", "optimizer")]
+    assert scalars == [
+        "queue", "queue", "read 1", "queue", "read 2", "queue", "read 3", "read 4",
+    ], order  # fmt: skip
+    reads = [e for e in order if e in ("packs", "optimizer")]
+    assert reads == [
+        "packs", "packs", "optimizer", "packs", "optimizer", "packs", "optimizer", "optimizer",
+    ], order  # fmt: skip
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
 def test_profile_steps_write_trace_ops_and_host_waits(tiny_inputs, tmp_path, no_torchrun):
