@@ -144,6 +144,10 @@ def test_auto_chooses_the_fsdp_degree_on_several_gpus(tmp_path, vl3b):
     memory_preflight(cfg, spec, None, gpus=8, capacity_gib=H100, log=logs.append)
     assert cfg.trainer_args.dp_replicate == 1  # the launched mesh's degree
     assert any("launch with trainer_args.dp_replicate: 8" in line for line in logs), logs
+    # where the caller can rebuild its mesh (the trainer with FSDP2, no SP/TP/EP): applied
+    memory_preflight(cfg, spec, None, gpus=8, capacity_gib=H100, log=logs.append,
+                     vary_replicas=True)  # fmt: skip
+    assert cfg.trainer_args.dp_replicate == 8 and "replicated 8" in logs[-2]
     _, _, vl_facts = vl3b
     vl8, vl_plan = choose_layout(vl_facts, layout_of(vl3b[0], gpus=8), H100)
     assert vl8.dp_replicate == 1 and vl_plan.fits

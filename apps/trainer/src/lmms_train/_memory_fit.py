@@ -222,10 +222,13 @@ def memory_preflight(
     gpus: int,
     capacity_gib: float | None,
     log: Any = print,
+    vary_replicas: bool = False,
 ) -> MemoryPlan | None:
     """Before the model is built: plan the run; `memory: auto` rewrites the layout to the
     fastest one that fits, `check` raises a `UserError` with the plan and the fixes when it does
-    not fit. Returns the plan run (None when skipped: `off`, no GPU, unknown block shapes)."""
+    not fit. Returns the plan run (None when skipped: `off`, no GPU, unknown block shapes).
+    `vary_replicas`: `auto` may change `dp_replicate` (the caller rebuilds its device mesh);
+    otherwise the launched one is kept and a faster one only logged."""
     t = cfg.trainer_args
     if t.memory == "off" or capacity_gib is None:
         return None
@@ -240,13 +243,14 @@ def memory_preflight(
         return None
     lay = layout_of(cfg, gpus=gpus)
     if t.memory == "auto":
-        chosen = choose_layout(facts, lay, capacity_gib, vary_replicas=False)
+        chosen = choose_layout(facts, lay, capacity_gib, vary_replicas=vary_replicas)
         if chosen is None:
             plan = plan_memory(facts, lay, capacity_gib)
             raise UserError(_not_fit_message(facts, lay, plan, capacity_gib, auto=True))
         apply_layout(cfg, chosen[0])
         log(f"[lmms-train] memory: auto chose {chosen[0].describe()}\n{chosen[1].text()}")
-        log_replica_hint(facts, lay, chosen[0], capacity_gib, log)
+        if not vary_replicas:
+            log_replica_hint(facts, lay, chosen[0], capacity_gib, log)
         plan = chosen[1]
     else:
         plan = plan_memory(facts, lay, capacity_gib)

@@ -117,7 +117,11 @@ def _memory_plan(cfg: TrainConfig, env: DistEnv, spec: Any, token_ids: Any) -> N
     from lmms_train._memory_fit import memory_preflight
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if env.is_main else (lambda _: None)
-    memory_preflight(cfg, spec, token_ids, gpus=env.world_size, capacity_gib=device_gib(), log=log)
+    memory_preflight(cfg, spec, token_ids, gpus=env.world_size, capacity_gib=device_gib(), log=log,
+                     vary_replicas=env.fsdp and env.sp == env.tp == env.ep == 1)  # fmt: skip
+    if env.fsdp and cfg.trainer_args.dp_replicate != env.dp_replicate:  # auto's FSDP2 degree
+        env.dp_replicate = cfg.trainer_args.dp_replicate  # same choice on every rank
+        _build_mesh(cfg, env)
 
 
 def _sinks(cfg: TrainConfig, out: Path, resume_step: int | None) -> MetricsLogger:
