@@ -15,7 +15,12 @@ printed beside it).
 
 `vl3b_16k_h100` is issue 38's point 4: the Qwen2.5-VL-3B shape, every parameter trained, 16k
 tokens per step, `memory: auto` on the card it finds, compiled, issue 29's levers on; its row
-also gives tok/s and total MFU (bench_train's `summarize`).
+also gives tok/s, total MFU (bench_train's `summarize`) and the forward/backward/optimizer split.
+`vl3b_16k_h100_sel` is the same with every decoder block under selective checkpointing. A
+before-row in the same call: `--src OTHER_CHECKOUT --tag _base` runs the trainer from another
+tree (e.g. `git archive` of an earlier commit) with this script's configs:
+
+    python benchmarks/train/bench_memory_plan.py --cases vl3b_16k_h100 --src /tmp/base --tag _base
 """
 
 from __future__ import annotations
