@@ -158,24 +158,32 @@ def test_auto_chooses_the_fsdp_degree_on_several_gpus(tmp_path, vl3b):
     )
 
 
-def test_auto_ranks_selective_checkpointing(tmp_path):
-    """Selective checkpointing (matmul outputs kept, the rest recomputed) is among `memory:
-    auto`'s candidates: Qwen2.5-3B text at 16k on an 80 GB card fits with every block selective
-    and bf16 moments, ranked cheaper than the fewest fully checkpointed blocks that fit."""
+def test_auto_ranks_selective_checkpointing(vl3b):
+    """Selective checkpointing (matmul outputs kept; element-wise ops and attention recomputed)
+    is among `memory: auto`'s candidates: for Qwen2.5-VL-3B at 16k on an 80 GB card it takes
+    every decoder block selective (what a compiled block then keeps: its input, the q/k/v and
+    output projections' outputs, gate and up) over the fewest fully checkpointed blocks that
+    fit, the vision tower checkpointed in full."""
     from dataclasses import replace
 
+    from lmms_train._memory import _selective_bytes_per_token
     from lmms_train._memory_fit import AUTO_SAFETY, layout_cost
 
-    cfg = _cfg(tmp_path, "qwen2_5", "3b")
-    facts = model_facts(cfg, resolve_spec(cfg))
+    cfg, _, facts = vl3b
+    dec = facts.towers["decoder"]
+    h, i = dec.hidden, dec.intermediate  # 2048, 11008; q 2048, k/v 256 each (head dim 128)
+    assert _selective_bytes_per_token(dec) == 2 * (h + 2048 + 2 * 256 + h + 2 * i)
     base = layout_of(cfg)
     lay, plan = choose_layout(facts, base, H100)
     assert plan.fits and lay.ac["decoder"] == ("selective", 1.0), lay
-    assert lay.state_dtype == "bfloat16"
-    n = facts.towers["decoder"].layers
-    fits = [
-        replace(base, ac={"decoder": ("full", k / n + 1e-9)}, state_dtype="bfloat16")
+    assert lay.ac["vision"][0] == "full"
+    n = dec.layers
+    vision = ("full", 1.0)
+    full = [
+        replace(
+            base, ac={"decoder": ("full", k / n + 1e-9), "vision": vision}, state_dtype="bfloat16"
+        )
         for k in range(n + 1)
     ]
-    fits = [c for c in fits if plan_memory(facts, c, H100).needed * (1 + AUTO_SAFETY) <= H100 * GIB]
+    fits = [c for c in full if plan_memory(facts, c, H100).needed * (1 + AUTO_SAFETY) <= H100 * GIB]
     assert fits and layout_cost(facts, lay) < layout_cost(facts, fits[0])

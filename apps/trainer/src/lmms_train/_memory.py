@@ -266,10 +266,8 @@ def _activations(facts: ModelFacts, lay: Layout) -> dict[str, dict[str, float]]:
         mode, frac = lay.ac.get(name, ("none", 1.0))
         n = shape.layers
         n_ac = 0 if mode == "none" else math.floor(n * frac)
-        if mode == "selective":  # matmul outputs kept, elementwise ops recomputed
-            q, kv = shape.attention_width(pad)
-            inter = shape.intermediate * max(1, shape.experts_per_token)
-            kept_ac = 2 * (shape.hidden + q + 2 * kv + 2 * shape.hidden + 2 * inter) * tokens
+        if mode == "selective":  # matmul outputs kept; element-wise ops, attention recomputed
+            kept_ac = _selective_bytes_per_token(shape) * tokens
         else:
             kept_ac = 2 * shape.hidden * tokens  # the block's input
         kept = (n - n_ac) * block + n_ac * kept_ac
@@ -279,6 +277,18 @@ def _activations(facts: ModelFacts, lay: Layout) -> dict[str, dict[str, float]]:
             kept = work = 0.0
         out[name] = {"kept": kept, "block": block, "work": work, "tokens": tokens, "n_ac": n_ac}
     return out
+
+
+def _selective_bytes_per_token(shape: Any) -> float:
+    """What a block under selective checkpointing keeps per token (bf16): its input, the q/k/v
+    projections' outputs (unpadded: the attention kernel's padded copies are recomputed with
+    it), the output projection's output and the MLP's up projections (gate and up, or fc1);
+    the down projection's output is not kept (nothing in the block's backward reads it). As
+    Inductor's partitioner saves it for a compiled Qwen2 block (CPU trace, 2026-12-05)."""
+    q, kv = shape.attention_width(None)
+    inter = shape.intermediate * max(1, shape.experts_per_token)
+    ups = (2 if shape.gated_mlp else 1) * inter
+    return 2.0 * (shape.hidden + q + 2 * kv + shape.hidden + ups)
 
 
 def state_bytes(facts: ModelFacts, lay: Layout) -> dict[str, float]:

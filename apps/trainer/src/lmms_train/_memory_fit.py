@@ -6,9 +6,10 @@ x tokens each, at 600 TFLOP/s; a `selective` block recomputes its element-wise o
 attention, `SELECTIVE_SHARE` of that), FSDP2's collectives with several GPUs (bytes per GPU at
 NVLink speed plus a fixed cost per collective: all-gathers and reduce-scatters within a shard
 group, an all-reduce across replicas), and FSDP2 CPU offload's traffic (16 B per parameter each
-way at 25 GB/s): offload is chosen only when nothing else fits. bf16 AdamW moments cost nothing
-extra (`LowPrecisionAdamW`'s fused step moves 20 B per parameter against fp32 state's 28), so
-fp32 state is kept whenever it fits as fast (ties go to the first candidate: fp32).
+way at 25 GB/s): offload is chosen only when nothing else fits. bf16 AdamW moments are not
+slower (`LowPrecisionAdamW`'s fused step moves 20 B per parameter against fp32 state's 28); they
+are charged `BF16_STATE_S` anyway, a preference: fp32 state unless bf16 moments save more
+recompute than that.
 The levers are the trainer's own keys: `activation_checkpointing(_fraction)`,
 `vision_activation_checkpointing(_fraction)`, `optimizer_state_dtype`, `fsdp_cpu_offload`, and
 with several GPUs `dp_replicate` (FSDP2 shards over `gpus / dp_replicate`, replicated across
@@ -50,8 +51,11 @@ __all__ = [
 
 RECOMPUTE_FLOPS = 600e12
 PCIE_BYTES = 25e9
-#: a `selective` block's recompute against a full one's (element-wise ops and attention)
-SELECTIVE_SHARE = 0.15
+#: a `selective` block's recompute against a full one's (element-wise ops and attention's
+#: forward; an estimate: not timed yet)
+SELECTIVE_SHARE = 0.2
+#: what bf16 AdamW moments are charged (seconds per step): a preference for fp32 state
+BF16_STATE_S = 0.01
 #: NCCL collectives within one host: bytes per second per GPU, and each collective's fixed cost
 NVLINK_BYTES = 150e9
 COLLECTIVE_S = 25e-6
@@ -83,6 +87,8 @@ def layout_cost(facts: ModelFacts, lay: Layout) -> float:
         seconds += (
             share * math.floor(shape.layers * frac) * 2 * per_block * tokens / RECOMPUTE_FLOPS
         )
+    if lay.state_dtype == "bfloat16":
+        seconds += BF16_STATE_S
     if lay.offload:
         seconds += 2 * 16 * facts.trainable / PCIE_BYTES
     return seconds + comm_seconds(facts, lay)
