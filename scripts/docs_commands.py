@@ -276,12 +276,13 @@ def main(argv: list[str]) -> int:
     for i, c in enumerate(order):
         if c.kind != "cpu" or only not in f"{c.file} {c.text}":
             continue
-        if c.text in done:  # ran already, in the same scratch copy: its result stands
-            results[i] = (done[c.text], 0.0)
+        key = str((c.nproc, c.lmms_args)) if c.lmms_args is not None else c.text
+        if key in done:  # ran already (`uv run` or not), in this scratch copy: its result stands
+            results[i] = (done[key], 0.0)
             print(f"same     {c.file}:{c.line}  {c.text}", flush=True)
             continue
         code, seconds, tail = _run(c, cwd, timeout)
-        results[i], done[c.text] = (code, seconds), code
+        results[i], done[key] = (code, seconds), code
         print(f"{'ok  ' if code == 0 else 'FAIL'} {seconds:7.1f}s {c.file}:{c.line}  {c.text}")
         if code != 0:
             failed += 1
