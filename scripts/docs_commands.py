@@ -26,7 +26,7 @@ Kinds: `cpu` (runs on a laptop: the tiny examples, named `*tiny*.yaml`, their re
 `gpu` (needs CUDA GPUs and real weights: every other config, GPU benchmarks, `-m gpu` tests),
 `network` (pip / hf downloads), `template` (placeholders such as CONFIG.yaml, RUN/hf, `[...]`),
 `data` (reads a real data set, e.g. under /data), `suite` (the test suite itself), `script` (the
-slow runners of scripts/, this one among them).
+slow runners of scripts/, this one among them, and their git set-up).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class DocCommand:
         if _PLACEHOLDERS.search(self.text):
             return "template"
         if args is None:
-            if re.search(r"\bscripts/\w+\.py", self.text):
+            if re.search(r"\bscripts/\w+\.py", self.text) or self.text.startswith("git "):
                 return "script"  # the slow runners themselves (this one, behaviour_record.py)
             if "pytest" in self.text:
                 return "gpu" if "-m gpu" in self.text else "suite"
