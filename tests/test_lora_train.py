@@ -199,3 +199,24 @@ def test_qlora_trains_on_gpu(tmp_path):
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "run" / "hf" / "config.json").is_file()
+
+
+@pytest.mark.gpu
+def test_lora_base_never_on_the_gpu_in_fp32(tiny_inputs, base_folder, tmp_path):
+    """One process with LoRA and bf16: the model is built on the CPU and its frozen base cast to
+    bf16 before it moves, so the build's GPU peak stays under the fp32 base's bytes (a 7B QLoRA
+    run peaked at 31.4 GiB while building, 14.1 GiB training: RESULTS.md, issue 41)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from lmms_train._dist import DistEnv
+    from lmms_train._model_setup import build_model, resolve_spec
+
+    cfg = config_from_dict(_lora_cfg(tiny_inputs, base_folder, tmp_path / "m", bf16=True))
+    spec = resolve_spec(cfg)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    built = build_model(cfg, DistEnv(device=torch.device("cuda")), spec, None)
+    frozen = [p for p in built.model.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 and p.is_cuda for p in frozen)
+    fp32_base = sum(4 * p.numel() for p in frozen)
+    assert torch.cuda.max_memory_allocated() - base < fp32_base

@@ -234,6 +234,8 @@ def build_model(
     adapter = apply_model_lora(cfg, spec, model)  # inside the blocks FSDP2 and AC wrap
     check_preference(cfg, env, objective, adapter)  # DPO: pairs and a reference
     frozen = _freeze(model, spec, t.freeze)
+    if built.on_host:
+        _frozen_to_device(model, env, t.bf16)
     handles: list[Any] = []
     units = _apply_patches(cfg, env, spec, built, handles, objective.vocab_parallel_head)
     if env.fsdp:
@@ -264,6 +266,7 @@ class _Constructed:
     hf_config: Any
     meta: bool
     weights: Any  # what rank 0 broadcasts into the shards (a path, a state dict or None)
+    on_host: bool = False  # one process with LoRA: built on the CPU, moved once the base is frozen
 
 
 def _construct(
@@ -277,6 +280,11 @@ def _construct(
     if weights is not None:  # the family's file (e.g. one of several) or the folder
         weights = str(spec.weights_file(weights))
     backends = dict(attn_backend=_attn_backend(t), vision_attn_backend=t.vision_attn_backend)
+    # One process with LoRA: the model stays on the CPU until its base is frozen and cast to bf16
+    # (`_frozen_to_device`), so a 7B base never sits on the GPU in fp32 (31.4 GiB at the start of
+    # a QLoRA run whose training peak is 14.1 GiB: RESULTS.md, issue 41).
+    on_host = not env.distributed and not meta and m.lora is not None
+    device = torch.device("cpu") if on_host else env.device
     try:
         if m.load_from_config is not None:
             conf = model_config_dict(cfg, spec, token_ids)
@@ -286,8 +294,10 @@ def _construct(
                 # random init on the CPU generator whatever the device (as the distributed path
                 # below): a seed gives the same weights on a GPU as on the CPU (a CUDA generator
                 # draws other numbers: BAGEL's GPU run started 2.8% off its CPU run)
-                model = spec.build(config=conf, device="cpu", **backends).to(env.device)
-                return _Constructed(model=model, hf_config=hf_config, meta=meta, weights=weights)
+                model = spec.build(config=conf, device="cpu", **backends).to(device)
+                return _Constructed(
+                    model=model, hf_config=hf_config, meta=meta, weights=weights, on_host=on_host
+                )
             # Random init once, on rank 0 (same seed, same weights as a 1-process run); every
             # rank builds on meta and receives its shards: no full copy per rank.
             from lmms_parallel import meta_init
@@ -308,12 +318,24 @@ def _construct(
                     pretrained=m.load_from_pretrained_path, device="meta", **backends
                 )
         else:
-            model = spec.build(
-                pretrained=m.load_from_pretrained_path, device=env.device, **backends
-            )
-        return _Constructed(model=model, hf_config=model.config, meta=meta, weights=weights)
+            model = spec.build(pretrained=m.load_from_pretrained_path, device=device, **backends)
+        return _Constructed(
+            model=model, hf_config=model.config, meta=meta, weights=weights, on_host=on_host
+        )
     except (ValueError, TypeError, OSError) as exc:
         raise UserError(f"model_config: could not build {spec.name}: {exc}") from exc
+
+
+def _frozen_to_device(model: nn.Module, env: DistEnv, bf16: bool) -> None:
+    """Move a host-built model to the device, its frozen floating-point parameters first cast to
+    bf16 under `bf16` (what `MasterWeights` would do on the device: same values, half the bytes
+    moved and no fp32 copy of the base on the GPU)."""
+    if bf16:
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(torch.bfloat16)
+    model.to(env.device)
 
 
 def _apply_patches(
