@@ -187,3 +187,26 @@ def test_auto_ranks_selective_checkpointing(vl3b):
     ]
     fits = [c for c in full if plan_memory(facts, c, H100).needed * (1 + AUTO_SAFETY) <= H100 * GIB]
     assert fits and layout_cost(facts, lay) < layout_cost(facts, fits[0])
+
+
+def test_auto_keeps_a_lora_base_on_the_gpu(tmp_path):
+    """LoRA on Qwen2.5-VL-3B at 16k on an 80 GB card: FSDP2 CPU offload would copy the whole
+    frozen base in for every forward and backward (~2 x 7.5 GB at 25 GB/s), so `memory: auto`
+    keeps one process on the GPU with checkpointing, and charges offload that traffic."""
+    from dataclasses import replace
+
+    from lmms_train._memory_fit import layout_cost
+
+    cfg = _cfg(tmp_path, "qwen2_5_vl", "3b", **HALF)
+    cfg.model_config.lora = config_from_dict({
+        "model_config": {"load_from_config": {"model_type": "qwen2_5_vl", "preset": "3b"},
+                         "lora": {"rank": 16, "alpha": 32}},
+        "dataset_config": {"dataset_path": str(tmp_path / "d.parquet")},
+        "trainer_args": {"output_dir": str(tmp_path / "run")},
+    }).model_config.lora  # fmt: skip
+    facts = model_facts(cfg, resolve_spec(cfg))
+    assert facts.total > 50 * facts.trainable
+    lay, plan = choose_layout(facts, layout_of(cfg), H100)
+    assert plan.fits and not lay.offload and not lay.fsdp, lay
+    offload = replace(lay, offload=True, fsdp=True)
+    assert layout_cost(facts, offload) - layout_cost(facts, lay) > 0.5  # seconds per step

@@ -5,8 +5,9 @@ Speed of a layout, relative: the forward FLOPs of the blocks it recomputes (2 x 
 x tokens each, at 600 TFLOP/s; a `selective` block recomputes its element-wise ops and its
 attention, `SELECTIVE_SHARE` of that), FSDP2's collectives with several GPUs (bytes per GPU at
 NVLink speed plus a fixed cost per collective: all-gathers and reduce-scatters within a shard
-group, an all-reduce across replicas), and FSDP2 CPU offload's traffic (16 B per parameter each
-way at 25 GB/s): offload is chosen only when nothing else fits. bf16 AdamW moments are not
+group, an all-reduce across replicas), and FSDP2 CPU offload's traffic at 25 GB/s (16 B per
+trained parameter each way; each frozen bf16 weight, e.g. a LoRA base, copied in for the forward
+and again for the backward): offload is chosen only when nothing else fits. bf16 AdamW moments are not
 slower (`LowPrecisionAdamW`'s fused step moves 20 B per parameter against fp32 state's 28); they
 are charged `BF16_STATE_S` anyway, a preference: fp32 state unless bf16 moments save more
 recompute than that.
@@ -90,7 +91,10 @@ def layout_cost(facts: ModelFacts, lay: Layout) -> float:
     if lay.state_dtype == "bfloat16":
         seconds += BF16_STATE_S
     if lay.offload:
-        seconds += 2 * 16 * facts.trainable / PCIE_BYTES
+        # the trained parameters' state both ways, and every frozen weight (a LoRA base: bf16)
+        # copied to the GPU for the forward and again for the backward
+        frozen = 2 * 2 * (facts.total - facts.trainable)
+        seconds += (2 * 16 * facts.trainable + frozen) / PCIE_BYTES
     return seconds + comm_seconds(facts, lay)
 
 
