@@ -24,6 +24,7 @@ from lmms_parallel._norm import clip_grad_norm_
 from lmms_parallel._plans import apply_ep, apply_tp, match_plan, register_style, registered_styles
 from lmms_parallel._row_sp import gather_row_slices, slice_row
 from lmms_parallel._sp_plans import SPContext, SPHandle, apply_sp, sp_replicated_grad
+from lmms_parallel._split_vision import SplitVision, VisionSplitPlan
 from lmms_parallel._tp import SumGradOverGroup
 from lmms_parallel._tp_sp import seq_rows, sum_grad
 from lmms_parallel._ulysses import (
@@ -53,9 +54,11 @@ __all__ = [
     "SPContext",
     "SPHandle",
     "SequenceParallel",
+    "SplitVision",
     "SumGradOverGroup",
     "UlyssesAttention",
     "VisionParticipation",
+    "VisionSplitPlan",
     "VocabParallelHead",
     "all_to_all_heads_to_seq",
     "all_to_all_seq_to_heads",
