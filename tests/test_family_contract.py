@@ -30,7 +30,8 @@ CALLERS = [
 
 
 def _sources(roots: list[Path]) -> list[Path]:
-    return sorted(p for root in roots for p in root.rglob("*.py"))
+    """The ``.py`` files under each root (a root may be one file)."""
+    return sorted(p for root in roots for p in ([root] if root.is_file() else root.rglob("*.py")))
 
 
 def _names_spec(node: ast.expr) -> bool:
@@ -250,6 +251,8 @@ def test_objective_branch_detector_finds(tmp_path):
 SINGLE_DEVICE = [
     ROOT / "packages/lmms-models/src/lmms_models/families",
     ROOT / "packages/lmms-models/src/lmms_models/parts",
+    # the family side of the SP vision split (the hooks and the gather: lmms_parallel.SplitVision)
+    ROOT / "packages/lmms-models/src/lmms_models/_vision_split.py",
 ]
 _DISTRIBUTED = re.compile(r"torch\.distributed|from\s+torch\s+import\s+distributed|\bdist\.")
 
@@ -265,6 +268,7 @@ def distributed_uses(path: Path, root: Path = ROOT) -> list[str]:
 
 
 def test_model_code_is_single_device():
+    assert all(p.exists() for p in SINGLE_DEVICE), [p for p in SINGLE_DEVICE if not p.exists()]
     found = [hit for path in _sources(SINGLE_DEVICE) for hit in distributed_uses(path)]
     assert not found, (
         "a family's collective belongs in lmms-parallel as a plan style (register_style('sp', "

@@ -1,6 +1,6 @@
 """Vision work under Ulysses SP: every rank encoding the whole pack (``repeated``, the baseline)
 vs each rank encoding its FLOPs-balanced share with the features all-gathered (``split``,
-``lmms_models.SplitVision``), on a video pack, for SP degrees 2 and 4.
+``lmms_parallel.SplitVision``), on a video pack, for SP degrees 2 and 4.
 
 Each (mode, SP) runs in a fresh process group (gloo on CPU, NCCL with ``--device cuda``: one GPU
 per rank), so each peak-memory figure is that layout's own. Every rank builds the same random
@@ -23,6 +23,7 @@ GPU (2 ranks): python benchmarks/models/bench_sp_vision.py --device cuda --sp 2 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -103,7 +104,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, mode: st
     import torch.distributed as dist
 
     import lmms_parallel as lp
-    from lmms_models import SplitVision
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if args.device == "cuda":
@@ -119,7 +119,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, mode: st
     spec.set_attention(model, backend=args.backend or ("varlen_sdpa" if args.device == "cpu"
                        else "auto"), wrapper=lp.UlyssesAttention(group))  # fmt: skip
     tower = spec.vision_tower(model)
-    split = SplitVision(spec, model, group if mode == "split" else None)
+    plan = functools.partial(spec.vision_split_plan, model)
+    split = lp.SplitVision(tower, plan, group if mode == "split" else None)
     starts: list[float] = []
     spent = [0.0]
 

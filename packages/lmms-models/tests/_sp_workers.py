@@ -54,11 +54,16 @@ def _step(spec, model, batch, group) -> tuple[float, dict[str, torch.Tensor]]:
     return float(loss / count), grads
 
 
+def _split_vision(spec, model, group) -> lp.SplitVision:
+    """The trainer's vision split: the family's plan, lmms-parallel's hooks."""
+    return lp.SplitVision(
+        spec.vision_tower(model), functools.partial(spec.vision_split_plan, model), group
+    )
+
+
 def scenario(
     name: str, label: str, attrs: dict[str, Any], groups: dict[int, Any]
 ) -> dict[str, Any]:
-    from lmms_models import SplitVision
-
     spec, model, batch = tiny_pack(name, 4 if label == "split_few" else None)
     if label == "lora":
         _lora(spec, model)
@@ -70,7 +75,7 @@ def scenario(
         out: dict[str, Any] = {"loss_sp1": ref_loss}
         for sp, group in groups.items():
             spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
-            split = SplitVision(spec, model, group if label.startswith("split") else None)
+            split = _split_vision(spec, model, group if label.startswith("split") else None)
             with split, lp.SequenceParallel(spec.sp_slice_module(model), group):
                 loss, grads = _step(spec, model, batch, group)
             spec.set_attention(model, backend="varlen_sdpa")
@@ -135,7 +140,7 @@ def dpo_sp(groups: dict[int, Any]) -> dict[str, Any]:
     the group, each rank backpropagates its slice's share."""
     from test_dpo import _pairs
 
-    from lmms_models import SplitVision, get_model_spec
+    from lmms_models import get_model_spec
     from lmms_models.objectives import ObjectiveContext, get_objective
     from lmms_models.testing import pack_samples
 
@@ -164,7 +169,7 @@ def dpo_sp(groups: dict[int, Any]) -> dict[str, Any]:
     for sp, group in groups.items():
         spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
         with (
-            SplitVision(spec, model, None),
+            _split_vision(spec, model, None),
             lp.SequenceParallel(spec.sp_slice_module(model), group),
         ):
             loss, grads = step(group)

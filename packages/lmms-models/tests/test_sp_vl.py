@@ -3,7 +3,7 @@
 Qwen3-VL's deepstack features sit at visual positions of the whole row; under SP they must follow
 the row's slicing (``DeepstackAtPositions.sp_slice``), from the host merge and from upstream's
 own boolean-mask merge alike. With the vision work split across the SP ranks
-(``lmms_models.SplitVision``) every rank encodes a share of the images and frames and the
+(``lmms_parallel.SplitVision``) every rank encodes a share of the images and frames and the
 gradients still equal SP 1. One 4-process spawn runs every scenario (see _sp_workers.py).
 """
 

@@ -24,6 +24,7 @@ Wraps the model spec's packed forward with three run-time concerns the spec does
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -137,9 +138,9 @@ def make_forward(
         # tower's work (audio towers do not: their output rows are not proportional to input
         # rows; the tower then runs whole on every SP rank, as before the split)
         if split_vision and tower is not None and spec.splits_vision():
-            from lmms_models import SplitVision
+            from lmms_parallel import SplitVision
 
-            SplitVision(spec, model, group).install()
+            SplitVision(tower, partial(spec.vision_split_plan, model), group).install()
 
     # No explicit ensure_vision_participation here: the hook above runs the dummy where the
     # peers run the tower; a call before the forward would put its all-gathers first.

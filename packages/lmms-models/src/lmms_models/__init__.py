@@ -30,7 +30,7 @@ from ._registry import (
     unavailable_models,
 )
 from ._spec import IGNORE_INDEX, ModelSpec, shift_labels_packed, to_device
-from ._vision_split import SplitVision, VisionSplitPlan
+from ._vision_split import VisionSplitPlan
 from ._vl import TINY_TOKEN_IDS, QwenVLSpec
 
 __all__ = [
@@ -56,7 +56,6 @@ __all__ = [
     "QwenVLSpec",
     "RenderRequest",
     "Renders",
-    "SplitVision",
     "TokenRows",
     "TowerShape",
     "VisionSplitPlan",

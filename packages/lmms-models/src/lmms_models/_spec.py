@@ -492,7 +492,7 @@ class ModelSpec(SpecEstimates):
 
     def vision_split_plan(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         """How one call of the vision tower divides into items for the SP ranks
-        (:class:`lmms_models.SplitVision`): a :class:`lmms_models.VisionSplitPlan`."""
+        (:class:`lmms_parallel.SplitVision`): a :class:`lmms_parallel.VisionSplitPlan`."""
         raise NotImplementedError(f"{self.name} does not say how to split its vision tower's work")
 
     def splits_vision(self) -> bool:

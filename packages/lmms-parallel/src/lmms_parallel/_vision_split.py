@@ -12,8 +12,8 @@ order) and keep each rank's tower call one ordinary call on a sub-grid. Gatherin
 instead of only the rows of each rank's slice costs one ``N x H`` buffer per rank (N vision tokens,
 far below the attention activations of the decoder) and leaves the multimodal merge untouched.
 
-Model-agnostic: the model side (lmms-models' ``SplitVision``) says what an item is and how to call
-the tower on a range of them.
+Model-agnostic: :class:`lmms_parallel.SplitVision` hooks the tower with these; the model side
+(a ``VisionSplitPlan``) says what an item is and how to call the tower on a range of them.
 """
 
 from __future__ import annotations

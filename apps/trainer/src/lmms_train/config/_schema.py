@@ -438,7 +438,7 @@ class TrainerArgs:
     sp_split_vision: bool = _f(
         True,
         "Under Ulysses SP, each rank of the group encodes a FLOPs-balanced share of the pack's "
-        "images and frames and the features are all-gathered (`lmms_models.SplitVision`); false: "
+        "images and frames and the features are all-gathered (`lmms_parallel.SplitVision`); false: "
         "every rank runs the vision tower on the whole pack.",
     )
     dp_replicate: int = _f(

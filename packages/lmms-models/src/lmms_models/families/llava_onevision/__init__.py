@@ -175,9 +175,9 @@ class LlavaOnevisionSpec(ModelSpec):
         return [base.multi_modal_projector(feats), base.image_newline]
 
     def vision_split_plan(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Views (image tiles, video frames) as items for lmms_models.SplitVision: equal FLOPs
+        """Views (image tiles, video frames) as items for lmms_parallel.SplitVision: equal FLOPs
         each; only the feature layer(s) of the hidden states are gathered."""
-        from ..._vision_split import VisionSplitPlan
+        from lmms_parallel import VisionSplitPlan
 
         pixels = args[0] if args else kwargs["pixel_values"]  # [views, C, S, S]
         rest = {k: v for k, v in kwargs.items() if k != "pixel_values"}
