@@ -15,7 +15,7 @@ import lmms_parallel as lp
 from lmms_parallel.testing import run_cases
 
 #: (family, scenario name, spec attributes set for the run). "split": each SP rank encodes its
-#: FLOPs-balanced share of the pack's images/frames (lmms_models.SplitVision); "split_few": a pack
+#: FLOPs-balanced share of the pack's images/frames (lmms_parallel.SplitVision); "split_few": a pack
 #: with fewer vision items than ranks (the others run the dummy input and gather zero rows).
 SCENARIOS: list[tuple[str, str, dict[str, Any]]] = [
     *[(name, "host_merge", {}) for name in MEDIA_FAMILIES],
