@@ -253,6 +253,8 @@ SINGLE_DEVICE = [
     ROOT / "packages/lmms-models/src/lmms_models/parts",
     # the family side of the SP vision split (the hooks and the gather: lmms_parallel.SplitVision)
     ROOT / "packages/lmms-models/src/lmms_models/_vision_split.py",
+    # the packed linear-attention mixers (their SP: lmms_parallel's sp_linear_heads style)
+    ROOT / "packages/lmms-models/src/lmms_models/_linear_attention.py",
 ]
 _DISTRIBUTED = re.compile(r"torch\.distributed|from\s+torch\s+import\s+distributed|\bdist\.")
 

@@ -55,10 +55,13 @@ def sp_scenario(name: str, group: Any) -> dict[str, Any]:
     ref, ref_loss = full_grads(model), float(loss / count)
     model.zero_grad(set_to_none=True)
     spec.set_attention(model, backend="varlen_sdpa", wrapper=lp.UlyssesAttention(group))
-    assert all(m._lmms_mixer.sp_group is group for m in spec.linear_mixers(model))
-    with lp.SequenceParallel(spec.sp_slice_module(model), group):
+    handle = spec.install_sp(model, group)  # tokens sliced, the mixers' cores: linear_sp_plan
+    assert len(handle[1].modules) == len(spec.linear_mixers(model))
+    try:
         loss, count = spec.packed_forward(model, batch, sp_group=group)
         (loss / count).backward()
+    finally:
+        handle.remove()
     grads = full_grads(model)
     for g in grads.values():
         dist.all_reduce(g, group=group)

@@ -132,7 +132,7 @@ def test_mixers_come_off_bit_for_bit():
 def test_sp_cover_adds_the_padding_segment_once_per_pack():
     """Under SP the padding tail is a segment of its own; every layer of a pack gets the same
     covered tensor (one host read per pack)."""
-    from lmms_models._linear_attention import _cover
+    from lmms_parallel._sp_plans import _cover  # the sp_linear_heads style's
 
     cu = torch.tensor([0, 5, 9], dtype=torch.int32)
     assert torch.equal(_cover(cu, 12), torch.tensor([0, 5, 9, 12], dtype=torch.int32))

@@ -10,7 +10,10 @@ that reuses its parameters and calls ``lmms_kernels``' varlen ops (flash-linear-
 kernels on CUDA, the plain-torch reference elsewhere). :func:`install_packed_mixers` returns a
 handle whose ``remove()`` restores the upstream forward (bit-identical: nothing else changes).
 
-Ulysses SP (``sp_group``): the mixer's projections run on this rank's tokens; q, k, v, the decay
+The code is single-device: the per-head core (convolution, decay, write strength, delta rule)
+is a child module of each mixer (:class:`DeltaRuleCore`, named :data:`CORE`). Under Ulysses SP
+the family's plan (``LinearAttentionMixin.linear_sp_plan``) puts lmms_parallel's
+``sp_linear_heads`` style on it: the projections run on this rank's tokens; q, k, v, the decay
 and write-strength inputs go through one all-to-all each (tokens gathered, heads split), the
 convolution (per channel, so per head) and the recurrence run on whole samples with the
 *global* ``cu_seqlens`` for ``H/sp`` heads, and the output comes back through one all-to-all.
@@ -18,7 +21,6 @@ convolution (per channel, so per head) and the recurrence run on whole samples w
 
 from __future__ import annotations
 
-import collections
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,16 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LinearMixerHandle", "MixerSettings", "install_packed_mixers"]
+__all__ = ["CORE", "DeltaRuleCore", "LinearMixerHandle", "MixerSettings", "install_packed_mixers"]
 
 
 @dataclass(kw_only=True, slots=True)
 class MixerSettings:
     """What an installed packed mixer reads at call time: the ``lmms_kernels`` linear-attention
-    backend (``"auto"``, ``"torch"``, ``"fla"``) and the Ulysses SP group (None: no SP)."""
+    backend (``"auto"``, ``"torch"``, ``"fla"``)."""
 
     backend: str = "auto"
-    sp_group: Any = None
 
 
 @dataclass(slots=True)
@@ -50,6 +51,7 @@ class LinearMixerHandle:
         for m in self.mixers:
             vars(m).pop("forward", None)
             vars(m).pop("_lmms_mixer", None)
+            m._modules.pop(CORE, None)
         self.mixers = []
 
 
@@ -57,8 +59,11 @@ def install_packed_mixers(
     mixers: list[nn.Module], forward: Callable[..., Any], settings: MixerSettings
 ) -> LinearMixerHandle:
     """Give every module of ``mixers`` the packed ``forward`` (a function taking the module
-    first) with ``settings``; installing again only updates the settings."""
+    first) with ``settings`` and its :class:`DeltaRuleCore`; installing again only updates the
+    settings (the core, and any plan style on it, stays)."""
     for m in mixers:
+        if not isinstance(getattr(m, CORE, None), DeltaRuleCore):
+            m.add_module(CORE, DeltaRuleCore())
         m._lmms_mixer = settings  # type: ignore[assignment]
         m.forward = types.MethodType(forward, m)  # type: ignore[method-assign]
     return LinearMixerHandle(list(mixers))
@@ -84,113 +89,72 @@ def _row_segments(
     return hidden.reshape(b * length, width), cu
 
 
-def _sp(settings: MixerSettings) -> tuple[Any, int, int]:
-    group = settings.sp_group
-    if group is None:
-        return None, 1, 0
-    import torch.distributed as dist
-
-    return group, dist.get_world_size(group), dist.get_rank(group)
+#: name of the per-head core under each installed mixer (the module boundary lmms_parallel's
+#: ``sp_linear_heads`` style hooks for Ulysses SP: :attr:`LinearAttentionMixin.linear_sp_plan`)
+CORE = "delta_rule_core"
 
 
-#: (pack cu_seqlens, row length, its cover) of the last few packs: every linear layer of a
-#: forward (and its recompute) gets the same cover, read on the host once
-_COVERS: collections.deque[tuple[torch.Tensor, int, torch.Tensor]] = collections.deque(maxlen=4)
+class DeltaRuleCore(nn.Module):
+    """The per-head core of a Gated DeltaNet mixer, between its projections and its output norm:
+    the short convolution (``conv_w`` None: plain SiLU), the decay, the write strength and the
+    delta rule on whole samples (``cu_seqlens``). Holds no parameters (the mixer's are passed
+    in, per head); called with keywords only, so a plan style can rewrite them (under Ulysses SP
+    lmms_parallel's ``sp_linear_heads`` gathers the tokens and keeps this rank's heads)."""
 
+    def forward(
+        self,
+        *,
+        q: torch.Tensor,  # [T, Hk, Dk]
+        k: torch.Tensor,
+        v: torch.Tensor,  # [T, Hv, Dv]
+        a: torch.Tensor,  # [T, Hv] decay input
+        b: torch.Tensor,  # [T, Hv] write-strength input
+        conv_w: tuple[torch.Tensor, ...] | None,  # [C_q, K], [C_k, K], [C_v, K]
+        conv_b: tuple[torch.Tensor | None, ...] | None,
+        a_log: torch.Tensor,  # [Hv]
+        dt_bias: torch.Tensor,  # [Hv]
+        cu_seqlens: torch.Tensor,
+        backend: str,
+        beta_scale: float = 1.0,
+    ) -> torch.Tensor:  # [T, Hv, Dv]
+        from lmms_kernels import causal_conv1d_varlen, gated_delta_rule_varlen
 
-def _cover(cu: torch.Tensor, total: int) -> torch.Tensor:
-    """``cu`` with the SP padding tail (tokens past ``cu[-1]``) as its own last segment; the same
-    tensor for the same ``cu`` (one host read per pack, and flash-linear-attention's identity
-    cache of chunk indices hits in every layer)."""
-    memo = not torch.compiler.is_compiling()
-    if memo:
-        for src, n, out in _COVERS:
-            if src is cu and n == total:
-                return out
-    last = int(cu[-1])
-    if last > total:
-        raise ValueError(f"cu_seqlens ends at {last} but the row has {total} tokens")
-    out = cu if last == total else torch.cat([cu, cu.new_tensor([total])])
-    if memo:
-        _COVERS.append((cu, total, out))
-    return out
-
-
-def _heads_in(group: Any, *xs: torch.Tensor) -> list[torch.Tensor]:
-    """All-to-all ``[T/sp, H, D] -> [T, H/sp, D]`` for each tensor (no-op without a group)."""
-    if group is None:
-        return list(xs)
-    from lmms_parallel import all_to_all_seq_to_heads
-
-    return [all_to_all_seq_to_heads(x, group) for x in xs]
-
-
-def _local(t: torch.Tensor, sp: int, rank: int, heads: int) -> torch.Tensor:
-    """This rank's rows of a per-head (or per-head-channel) parameter, ``heads`` heads in all."""
-    if sp == 1:
-        return t
-    per = t.shape[0] // heads
-    n = heads // sp
-    return t[rank * n * per : (rank + 1) * n * per]
-
-
-def _check_heads(name: str, hk: int, hv: int, sp: int) -> None:
-    if sp > 1 and (hk % sp or hv % sp):
-        raise NotImplementedError(
-            f"Ulysses SP splits {name}'s linear-attention heads over the ranks: key heads ({hk}) "
-            f"and value heads ({hv}) must be multiples of sp={sp}"
+        total = q.shape[0]
+        if conv_w is None:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        else:
+            outs = []
+            for x, w, bias in zip((q, k, v), conv_w, conv_b or (None,) * 3, strict=True):
+                y = causal_conv1d_varlen(x.reshape(total, -1), w, bias, cu_seqlens, backend=backend)
+                outs.append(y.reshape(x.shape))
+            q, k, v = outs
+        beta = b.sigmoid() * beta_scale
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)  # [T, Hv] log decay
+        return gated_delta_rule_varlen(
+            q, k, v, g, beta, cu_seqlens, qk_l2norm=True, backend=backend
         )
 
 
 def _delta_rule(
-    q: torch.Tensor,  # [T, Hk, Dk] local tokens
+    mixer: nn.Module,
+    q: torch.Tensor,  # [T, Hk, Dk]
     k: torch.Tensor,
     v: torch.Tensor,  # [T, Hv, Dv]
-    a: torch.Tensor,  # [T, Hv] decay input
-    b: torch.Tensor,  # [T, Hv] write-strength input
-    conv_w: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # [C_q, K], [C_k, K], [C_v, K]
-    conv_b: tuple[torch.Tensor | None, ...],
-    a_log: torch.Tensor,  # [Hv]
-    dt_bias: torch.Tensor,  # [Hv]
+    a: torch.Tensor,  # [T, Hv]
+    b: torch.Tensor,  # [T, Hv]
+    conv_w: tuple[torch.Tensor, ...] | None,
+    conv_b: tuple[torch.Tensor | None, ...] | None,
     cu: torch.Tensor,
-    settings: MixerSettings,
     *,
     beta_scale: float = 1.0,
-    name: str,
-) -> torch.Tensor:  # [T, Hv, Dv] local tokens
-    """Convolution (``conv_w`` None: plain SiLU), decay, write strength and the delta rule on
-    whole samples; under SP over this rank's heads between two all-to-alls."""
-    from lmms_kernels import causal_conv1d_varlen, gated_delta_rule_varlen
-
-    group, sp, rank = _sp(settings)
-    hk, hv = k.shape[1], v.shape[1]
-    _check_heads(name, hk, hv, sp)
-    q, k, v, a, b = _heads_in(group, q, k, v, a[..., None], b[..., None])
-    a, b = a[..., 0], b[..., 0]
-    total = q.shape[0]
-    if sp > 1:
-        cu = _cover(cu, total)
-    if conv_w is None:
-        q, k, v = F.silu(q), F.silu(k), F.silu(v)
-    else:
-        outs = []
-        for x, w, bias, heads in zip((q, k, v), conv_w, conv_b, (hk, hk, hv), strict=True):
-            w, bias = (
-                _local(w, sp, rank, heads),
-                None if bias is None else _local(bias, sp, rank, heads),
-            )
-            y = causal_conv1d_varlen(x.reshape(total, -1), w, bias, cu, backend=settings.backend)
-            outs.append(y.reshape(x.shape))
-        q, k, v = outs
-    a_log, dt_bias = _local(a_log, sp, rank, hv), _local(dt_bias, sp, rank, hv)
-    beta = b.sigmoid() * beta_scale
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)  # [T, Hv] log decay
-    o = gated_delta_rule_varlen(q, k, v, g, beta, cu, qk_l2norm=True, backend=settings.backend)
-    if group is not None:
-        from lmms_parallel import all_to_all_heads_to_seq
-
-        o = all_to_all_heads_to_seq(o, group)  # [T/sp, Hv, Dv]
-    return o
+) -> torch.Tensor:  # [T, Hv, Dv]
+    """``mixer``'s core (:class:`DeltaRuleCore`) on its per-head inputs and parameters."""
+    core = getattr(mixer, CORE)
+    return core(
+        q=q, k=k, v=v, a=a, b=b, conv_w=conv_w, conv_b=conv_b, a_log=mixer.A_log,
+        dt_bias=mixer.dt_bias, cu_seqlens=cu, backend=mixer._lmms_mixer.backend,
+        beta_scale=beta_scale,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- Qwen3.5 layout
@@ -221,9 +185,8 @@ def qwen3_5_packed_mixer(
         self.conv1d.bias.split([self.key_dim, self.key_dim, self.value_dim])
     )  # fmt: skip
     o = _delta_rule(
-        q.reshape(-1, hk, dk), k.reshape(-1, hk, dk), v.reshape(-1, hv, dv),
-        self.in_proj_a(x), self.in_proj_b(x), conv_w, conv_b, self.A_log, self.dt_bias, cu,
-        self._lmms_mixer, name="Qwen3.5",
+        self, q.reshape(-1, hk, dk), k.reshape(-1, hk, dk), v.reshape(-1, hv, dv),
+        self.in_proj_a(x), self.in_proj_b(x), conv_w, conv_b, cu,
     )  # fmt: skip
     z = self.in_proj_z(x).reshape(-1, dv)
     o = self.norm(o.reshape(-1, dv), z).reshape(b, length, -1)
@@ -265,10 +228,9 @@ def fla_gdn_packed_mixer(
         conv_w = tuple(c.weight.squeeze(1) for c in convs)
         conv_b = tuple(c.bias for c in convs)
     o = _delta_rule(
-        self.q_proj(x).reshape(-1, hk, dk), self.k_proj(x).reshape(-1, hk, dk),
-        self.v_proj(x).reshape(-1, hv, dv), self.a_proj(x), self.b_proj(x), conv_w,
-        conv_b or (None,) * 3, self.A_log, self.dt_bias, cu, self._lmms_mixer,
-        beta_scale=2.0 if self.allow_neg_eigval else 1.0, name="Gated DeltaNet",
+        self, self.q_proj(x).reshape(-1, hk, dk), self.k_proj(x).reshape(-1, hk, dk),
+        self.v_proj(x).reshape(-1, hv, dv), self.a_proj(x), self.b_proj(x), conv_w, conv_b, cu,
+        beta_scale=2.0 if self.allow_neg_eigval else 1.0,
     )  # fmt: skip
     # fla's Triton gated norm in eager mode; under torch.compile the same math in torch (fused by
     # Inductor; fla's Triton wrappers are not traced)

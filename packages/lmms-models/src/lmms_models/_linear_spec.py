@@ -32,7 +32,7 @@ from torch import nn
 
 from . import _flops
 from ._attention import UPSTREAM_BACKENDS
-from ._linear_attention import LinearMixerHandle, MixerSettings, install_packed_mixers
+from ._linear_attention import CORE, LinearMixerHandle, MixerSettings, install_packed_mixers
 
 __all__ = ["CHUNK_SIZE", "LinearAttentionMixin", "delta_rule_flops_per_token"]
 
@@ -48,13 +48,21 @@ def delta_rule_flops_per_token(
     return 3.0 * value_heads * forward
 
 
+class _Handles(tuple):
+    """Handles removed together, last first."""
+
+    def remove(self) -> None:
+        for h in reversed(self):
+            h.remove()
+
+
 class LinearAttentionMixin:
     """Mixed into a :class:`lmms_models.ModelSpec` whose decoder has linear-attention mixers.
 
     ``packed_mixer``: the packed forward given to every mixer (see
     :mod:`lmms_models._linear_attention`). :meth:`set_attention` switches the mixers with the
-    attention: an lmms varlen backend installs the packed mixers (Ulysses SP's group taken from
-    the wrapper), ``"eager"``/``"sdpa"`` restores upstream's (reference runs).
+    attention: an lmms varlen backend installs the packed mixers, ``"eager"``/``"sdpa"`` restores
+    upstream's (reference runs). Ulysses SP: :meth:`install_sp` with :attr:`linear_sp_plan`.
     """
 
     packed_mixer: Callable[..., Any]
@@ -65,6 +73,9 @@ class LinearAttentionMixin:
     #: no sequence-parallel TP plan: the SP plans gather the inputs of softmax attention and the
     #: MLP only, a linear-attention mixer would see this rank's rows alone
     tp_sp_plan: dict[str, str] = {}  # noqa: RUF012
+    #: Ulysses SP of the linear mixers (lmms_parallel styles, :meth:`install_sp`): all-to-alls
+    #: around each mixer's per-head core (tokens gathered and heads split before it, back after)
+    linear_sp_plan: dict[str, str] = {f"*.{CORE}": "sp_linear_heads"}  # noqa: RUF012
 
     def objective_capabilities(self) -> frozenset[str]:
         """A token LM whose linear mixers are causal by construction: no masked diffusion."""
@@ -94,21 +105,31 @@ class LinearAttentionMixin:
             names["linear"] = "upstream"
             return names
         prev = getattr(mixers[0], "_lmms_mixer", None) if mixers else None
-        settings = MixerSettings(
-            backend=prev.backend if prev is not None else self.linear_backend,
-            sp_group=getattr(wrapper, "group", None),
-        )
+        settings = MixerSettings(backend=prev.backend if prev is not None else self.linear_backend)
         install_packed_mixers(mixers, self.packed_mixer, settings)
         names["linear"] = f"lmms_{settings.backend}"
         return names
 
     def set_linear_backend(self, model: nn.Module, backend: str) -> LinearMixerHandle:
         """Install the packed mixers with ``backend`` (``"auto"``, ``"torch"``, ``"fla"``),
-        keeping the SP group of an earlier installation; returns the handle that removes them."""
-        mixers = self.linear_mixers(model)
-        prev = getattr(mixers[0], "_lmms_mixer", None) if mixers else None
-        settings = MixerSettings(backend=backend, sp_group=getattr(prev, "sp_group", None))
-        return install_packed_mixers(mixers, self.packed_mixer, settings)
+        keeping their cores (and an SP plan installed on them); returns the handle that removes
+        them."""
+        settings = MixerSettings(backend=backend)
+        return install_packed_mixers(self.linear_mixers(model), self.packed_mixer, settings)
+
+    def install_sp(self, model: nn.Module, sp_group: Any) -> Any:
+        """Ulysses SP: the text decoder's tokens sliced as for every LM (``SequenceParallel``,
+        softmax attention through the Ulysses wrapper) and :attr:`linear_sp_plan` on the packed
+        mixers' cores (installed first: :meth:`set_attention` with an lmms backend)."""
+        from lmms_parallel import apply_sp
+
+        if not all(hasattr(m, CORE) for m in self.linear_mixers(model)):
+            raise RuntimeError(
+                "Ulysses SP runs the packed linear mixers: an lmms attention backend"
+            )
+        tokens = super().install_sp(model, sp_group)  # type: ignore[misc]
+        heads = apply_sp(model, self.linear_sp_plan, sp_group)
+        return _Handles((tokens, heads))
 
     # ---------------------------------------------------------------- FLOPs
     def linear_layer_shape(self, config: Any) -> tuple[int, int, int, int]:

@@ -32,10 +32,16 @@ the attention's all-to-alls.
 
 Rows ``[T, ...]`` (one packed row whose attention rule a key/value shard cannot honour, e.g.
 span masks; ``lmms_parallel._row_sp``): ``sp_row_stack`` and ``sp_row_attention``.
+
+Linear attention (tokens split at the decoder's inputs, ``SequenceParallel``): ``sp_linear_heads``
+on a mixer's per-head core (lmms_models' ``DeltaRuleCore``): tokens gathered and heads split
+before it, this rank's rows of the per-head parameters, the pack's ``cu_seqlens`` covering the
+SP padding; the output back to this rank's tokens after it.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,3 +215,83 @@ register_style("sp", "sp_gather_tokens")(
 register_style("sp", "sp_replicated_grad")(
     lambda ctx: _Hook(lambda x: sp_replicated_grad(x, ctx.group), pre=False)
 )
+
+
+# ------------------------------------------------------------------------------ linear attention
+#: (pack cu_seqlens, row length, its cover) of the last few packs: every linear layer of a
+#: forward (and its recompute) gets the same cover, read on the host once
+_COVERS: collections.deque[tuple[torch.Tensor, int, torch.Tensor]] = collections.deque(maxlen=4)
+
+
+def _cover(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """``cu`` with the SP padding tail (tokens past ``cu[-1]``) as its own last segment; the same
+    tensor for the same ``cu`` (one host read per pack, and flash-linear-attention's identity
+    cache of chunk indices hits in every layer)."""
+    memo = not torch.compiler.is_compiling()
+    if memo:
+        for src, n, out in _COVERS:
+            if src is cu and n == total:
+                return out
+    last = int(cu[-1])
+    if last > total:
+        raise ValueError(f"cu_seqlens ends at {last} but the row has {total} tokens")
+    out = cu if last == total else torch.cat([cu, cu.new_tensor([total])])
+    if memo:
+        _COVERS.append((cu, total, out))
+    return out
+
+
+def _local_rows(t: torch.Tensor | None, ctx: SPContext, heads: int) -> torch.Tensor | None:
+    """This rank's rows of a per-head (or per-head-channel) parameter, ``heads`` heads in all."""
+    if t is None:
+        return None
+    per, n = t.shape[0] // heads, heads // ctx.size
+    return t[ctx.rank * n * per : (ctx.rank + 1) * n * per]
+
+
+class _LinearHeads:
+    """``sp_linear_heads``: Ulysses SP around a linear-attention core called with keywords
+    ``q, k`` ``[T/sp, Hk, D]``, ``v`` ``[T/sp, Hv, Dv]``, ``a, b`` ``[T/sp, Hv]`` (decay and
+    write-strength inputs), ``cu_seqlens`` (the pack's, global), per-head parameters ``conv_w``
+    / ``conv_b`` (tuples over q, k, v; rows per head channel; or None), ``a_log``, ``dt_bias``
+    ``[Hv]``, returning ``[T, Hv, Dv]``. Pre-hook: one all-to-all per input (tokens gathered,
+    heads split), this rank's rows of the per-head parameters, and ``cu_seqlens`` covering the SP
+    padding tail as its own segment (the convolution and recurrence run on whole samples);
+    forward hook: the output back to this rank's tokens by one all-to-all."""
+
+    def __init__(self, ctx: SPContext) -> None:
+        self.ctx = ctx
+
+    def _heads_in(self, _m: nn.Module, args: tuple, kw: dict) -> tuple[tuple, dict]:
+        ctx = self.ctx
+        hk, hv = kw["k"].shape[1], kw["v"].shape[1]
+        if hk % ctx.size or hv % ctx.size:
+            raise NotImplementedError(
+                f"Ulysses SP splits the linear-attention heads over the ranks: key heads ({hk}) "
+                f"and value heads ({hv}) must be multiples of sp={ctx.size}"
+            )
+        out = {n: all_to_all_seq_to_heads(kw[n], ctx.group) for n in ("q", "k", "v")}
+        for n in ("a", "b"):
+            out[n] = all_to_all_seq_to_heads(kw[n][..., None], ctx.group)[..., 0]
+        if kw.get("conv_w") is not None:
+            out["conv_w"] = tuple(
+                _local_rows(w, ctx, h) for w, h in zip(kw["conv_w"], (hk, hk, hv))
+            )
+            out["conv_b"] = tuple(
+                _local_rows(c, ctx, h) for c, h in zip(kw["conv_b"], (hk, hk, hv))
+            )
+        out["a_log"], out["dt_bias"] = (_local_rows(kw[n], ctx, hv) for n in ("a_log", "dt_bias"))
+        out["cu_seqlens"] = _cover(kw["cu_seqlens"], out["q"].shape[0])
+        return args, {**kw, **out}
+
+    def apply(self, module: nn.Module) -> list[Callable[[], Any]]:
+        if self.ctx.size == 1:
+            return []
+        pre = module.register_forward_pre_hook(self._heads_in, with_kwargs=True)
+        post = module.register_forward_hook(
+            lambda _m, _a, o: all_to_all_heads_to_seq(o, self.ctx.group)
+        )
+        return [pre.remove, post.remove]
+
+
+register_style("sp", "sp_linear_heads")(_LinearHeads)

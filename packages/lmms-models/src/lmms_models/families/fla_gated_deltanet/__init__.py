@@ -6,9 +6,10 @@ imported lazily, the ImportError names the extra). Its own layers are packing-ex
 ``cu_seqlens`` but run Triton kernels only; lmms gives every ``GatedDeltaNet`` layer its packed
 mixer (:func:`lmms_models._linear_attention.fla_gdn_packed_mixer`): the same parameters through
 ``lmms_kernels``' varlen ops (flash-linear-attention's kernels on CUDA, the plain-torch reference
-on CPU), with Ulysses SP over heads. On CPU the model's norms and MLP must be the plain-torch
-ones (``fuse_norm: false``, ``fuse_swiglu: false``; the tiny config sets them); on CUDA the fused
-ones work as upstream. The LM head's loss is lmms' fused linear cross-entropy, never fla's.
+on CPU), with Ulysses SP over heads (lmms-parallel's styles on each mixer's core: the mixin's
+``linear_sp_plan``). On CPU the model's norms and MLP must be the plain-torch ones
+(``fuse_norm: false``, ``fuse_swiglu: false``; the tiny config sets them); on CUDA the fused ones
+work as upstream. The LM head's loss is lmms' fused linear cross-entropy, never fla's.
 
 Hybrid fla configs (``attn: {...}``: softmax layers through flash-attn) are refused for now.
 """
