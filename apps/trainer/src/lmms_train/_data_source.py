@@ -74,8 +74,9 @@ def _unwrap(exc: BaseException) -> tuple[str, str]:
 
 class TrainData:
     """The training stream for this rank: packed batches, resumable, with clear data errors.
-    `finish(batch)`: the family's last packing step on the host (bagel: rows of parts -> the
-    packed row, `spec.finish_pack`); stateless, so the loader's state stays the resume point."""
+    `finish(batch)`: the family's last packing step on the host (a model-side packer: rows of
+    parts -> the packed row, `spec.finish_pack`); stateless, so the loader's state stays the
+    resume point."""
 
     def __init__(self, loader: Any, finish: Any = None, *, until_exhausted: bool = False) -> None:
         self.loader, self.finish = loader, finish

@@ -28,7 +28,9 @@ import torch
 
 import lmms_kernels
 from lmms_train._checkpoint import RunCheckpointer
+from lmms_train._data_source import TrainData
 from lmms_train._dist import DistEnv
+from lmms_train._forward import ObjectiveForward
 from lmms_train._gc_clock import GcClock, GcControl
 from lmms_train._guard import DivergenceGuard, drop_update
 from lmms_train._metrics import MetricsLogger
@@ -61,10 +63,10 @@ class Run:
     model: torch.nn.Module
     state_model: torch.nn.Module  # what checkpoints hold: `model`, or its fp32 masters
     hf_config: Any
-    forward: Any  # (model, batch) -> (loss_sum, n_tokens)
+    forward: ObjectiveForward  # (model, batch) -> (loss_sum, n_tokens), through the objective
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    data: Any  # train data: iterator of packed batches with state_dict()
+    data: TrainData  # train data: iterator of packed batches with state_dict()
     eval_data: Any  # None, or callable(n) -> list of packed batches
     checkpointer: RunCheckpointer
     logger: MetricsLogger
@@ -94,8 +96,8 @@ def _add_loss_rows(run: Run, batch: dict[str, Any]) -> None:
     (before the batch moves to the device; no device read). Causal LM without SP or TP only
     (an SP rank holds a slice of the rows; a TP-sharded head is left to its own path)."""
     t, env = run.cfg.trainer_args, run.env
-    labelled = getattr(getattr(run.forward, "objective", None), "labelled_rows", True)
-    if t.loss_rows != "labelled" or env.sp > 1 or env.tp > 1 or not labelled:
+    objective = run.forward.objective
+    if t.loss_rows != "labelled" or env.sp > 1 or env.tp > 1 or not objective.labelled_rows:
         return
     shift = batch.get("shift_labels")
     if shift is not None and not (isinstance(shift, torch.Tensor) and shift.device.type != "cpu"):
@@ -168,7 +170,7 @@ def _fetch(run: Run, data_iter: Any, flops_fn: Any) -> _Fetched | None:
         _add_loss_rows(run, b)
     hidden = busy is not None and not busy.query()  # a status check, not a synchronisation
     packing_length = run.cfg.dataset_config.packing_length
-    count_fn = getattr(run.forward, "count_tokens", None)  # the objective's normaliser
+    count_fn = run.forward.count_tokens  # the objective's normaliser
     sums, lens = batch_stats(
         batches, flops_fn=flops_fn, packing_length=packing_length, count_fn=count_fn
     )
@@ -374,8 +376,7 @@ class _Loop:
         supervised tokens; the next step's packs are read while the backward runs."""
         run, t = self.run, self.run.cfg.trainer_args
         self.phases.mark("start")
-        if hasattr(run.forward, "begin_step"):  # the objective's draws are seeded per step
-            run.forward.begin_step(run.state.step + 1)
+        run.forward.begin_step(run.state.step + 1)  # the objective's draws are seeded per step
         loss_local = run_micro_batches(
             model=run.model,
             forward=run.forward,

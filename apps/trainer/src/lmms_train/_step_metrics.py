@@ -77,7 +77,7 @@ def finish(run: Run, q: Queued, phases: PhaseTimer) -> dict[str, Any]:
     env = run.env
     loss_sum, norm, *pairs = q.values.wait()
     dt = q.clock.seconds()
-    local_bad = int(run.data.bad_records()) if hasattr(run.data, "bad_records") else 0
+    local_bad = run.data.bad_records()
     (bad,) = env.all_reduce([float(local_bad)])  # host-side collective: no device sync
     host = q.host
     metrics: dict[str, Any] = {
@@ -118,8 +118,7 @@ def finish(run: Run, q: Queued, phases: PhaseTimer) -> dict[str, Any]:
 def objective_metrics(run: Run) -> tuple[tuple[str, ...], list[torch.Tensor]]:
     """The step's objective metrics as `(names, [num, den, ...])`, summed over every rank with
     one device all-reduce (the same names on every rank: an objective's set is fixed)."""
-    take = getattr(run.forward, "take_metrics", None)
-    got = take() if take is not None else {}
+    got = run.forward.take_metrics()
     moe_names, moe_pairs = _moe_metrics(run)
     if not got:
         return moe_names, moe_pairs
