@@ -1,6 +1,6 @@
-"""One ``build`` for the families that make their module another way than ``ModelSpec.build``
-(a local class, ``fla.models``' or diffusers' classes, another checkpoint layout): the argument
-check and the attention switch live here once, the family overrides :meth:`BuildSpec.build_module`.
+"""The module of a HF-style class from a config dict or a local folder: what
+``ModelSpec.build_module`` does for ``transformers.<model_class>``, and what families with
+another class (aero's, fla's) call with theirs.
 """
 
 from __future__ import annotations
@@ -11,45 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._spec import ModelSpec
-
-__all__ = ["BuildSpec", "build_hf_style"]
-
-
-class BuildSpec(ModelSpec):
-    """A :class:`ModelSpec` whose :meth:`build` goes through :meth:`build_module` (default:
-    ``transformers.<model_class>``, as :meth:`ModelSpec.build`)."""
-
-    def build(
-        self,
-        *,
-        config: dict[str, Any] | None = None,
-        pretrained: str | None = None,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        attn_backend: str = "auto",
-        vision_attn_backend: str | None = None,
-        **_: Any,
-    ) -> nn.Module:
-        """As :meth:`ModelSpec.build`: the module of :meth:`build_module`, then
-        :meth:`set_attention` with ``attn_backend`` / ``vision_attn_backend``."""
-        if (config is None) == (pretrained is None):
-            raise ValueError("give exactly one of config= or pretrained=")
-        source = pretrained if config is None else config
-        model = self.build_module(source, torch.device(device), dtype)  # type: ignore[arg-type]
-        self.set_attention(model, backend=attn_backend, vision_backend=vision_attn_backend)
-        return model
-
-    def build_module(
-        self, source: dict[str, Any] | str, device: torch.device, dtype: torch.dtype
-    ) -> nn.Module:
-        """The module from ``source``, a config dict or a local folder (on ``meta`` only the
-        folder's config is read), on ``device`` in ``dtype``."""
-        import transformers
-
-        model_cls = getattr(transformers, self.model_class)
-        config_cls = getattr(transformers, self.config_class)
-        return build_hf_style(self.make_config, model_cls, config_cls, source, device, dtype)
+__all__ = ["build_hf_style"]
 
 
 def build_hf_style(

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._build import BuildSpec
 from ._capabilities import GeneratesLatents
 from ._data_plan import LatentBatches
 from ._flops import attention_flops
+from ._spec import ModelSpec
 
 __all__ = [
     "DiffusionSpec",
@@ -69,7 +69,7 @@ def require_diffusers() -> Any:
     return diffusers
 
 
-class DiffusionSpec(BuildSpec, GeneratesLatents):
+class DiffusionSpec(ModelSpec, GeneratesLatents):
     """Base class of the diffusion-transformer families (``sit``, ``wan``).
 
     Frozen encoders are part of the model's config dict under ``encoder_classes``' keys (e.g.

@@ -173,7 +173,7 @@ class ModelSpec(SpecEstimates):
         attn_backend: str = "auto",
         vision_attn_backend: str | None = None,
     ) -> nn.Module:
-        """Build the upstream model from a config dict, a local pretrained folder, or on meta.
+        """Build the model from a config dict, a local pretrained folder, or on meta.
 
         * ``config``: random init from the dict (``tiny_config()`` or a preset).
         * ``pretrained``: a local folder through the real ``from_pretrained`` (no hub access is
@@ -182,35 +182,32 @@ class ModelSpec(SpecEstimates):
         * ``attn_backend``: ``"eager"``/``"sdpa"`` keep upstream attention (reference runs); any
           other value registers lmms varlen attention (see :func:`set_attention`);
           ``vision_attn_backend`` gives the vision tower its own (default: the same).
-        """
-        import transformers
 
+        The module itself comes from :meth:`build_module`, which a family overrides when it is
+        not ``transformers.<model_class>`` (a local class, fla's or diffusers' classes, another
+        checkpoint layout).
+        """
         if (config is None) == (pretrained is None):
             raise ValueError("give exactly one of config= or pretrained=")
-        model_cls = getattr(transformers, self.model_class)
-        device = torch.device(device)
-        if pretrained is not None and device.type != "meta":
-            model = model_cls.from_pretrained(
-                pretrained, dtype=dtype, attn_implementation="sdpa", local_files_only=True
-            )
-            model = model.to(device)
-        else:
-            if pretrained is not None:  # the family's config class: no remote code, and
-                # folders of releases that reuse the family's layout (e.g. Dream) read as well
-                hf_config = getattr(transformers, self.config_class).from_pretrained(
-                    pretrained, local_files_only=True
-                )
-            else:
-                hf_config = self.make_config(config)  # type: ignore[arg-type]
-            hf_config._attn_implementation = "sdpa"
-            for sub in ("text_config", "vision_config"):
-                if getattr(hf_config, sub, None) is not None:
-                    getattr(hf_config, sub)._attn_implementation = "sdpa"
-            with torch.device(device):
-                model = model_cls(hf_config)
-            model = model.to(dtype)
+        source = pretrained if config is None else config
+        model = self.build_module(source, torch.device(device), dtype)  # type: ignore[arg-type]
         self.set_attention(model, backend=attn_backend, vision_backend=vision_attn_backend)
         return model
+
+    def build_module(
+        self, source: dict[str, Any] | str, device: torch.device, dtype: torch.dtype
+    ) -> nn.Module:
+        """The module from ``source``, a config dict or a local folder (on ``meta`` only the
+        folder's config is read, with the family's config class: no remote code, and folders of
+        releases that reuse the family's layout, e.g. Dream, read as well), on ``device`` in
+        ``dtype``; upstream SDPA until :meth:`set_attention` switches it."""
+        import transformers
+
+        from ._build import build_hf_style
+
+        model_cls = getattr(transformers, self.model_class)
+        config_cls = getattr(transformers, self.config_class)
+        return build_hf_style(self.make_config, model_cls, config_cls, source, device, dtype)
 
     def set_attention(
         self,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._build import BuildSpec, build_hf_style
+from ..._build import build_hf_style
 from ..._registry import register_model
 from ..._vl import merge_tiny
 from ...parts.audio_lm import AudioLMSpec
@@ -59,7 +59,7 @@ _TINY: dict[str, Any] = {
 
 
 @register_model("aero")
-class AeroSpec(BuildSpec, AudioLMSpec):
+class AeroSpec(AudioLMSpec):
     processor_family = "qwen2_audio"
     liger_plan = QWEN2_LIGER_PLAN  # the Whisper-style encoder's LayerNorm and GELU stay upstream
     mask_mapping = True  # its Qwen2 decoder: `isinstance(attention_mask, dict)` branch

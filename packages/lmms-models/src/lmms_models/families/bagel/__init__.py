@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..._build import BuildSpec
 from ..._capabilities import MixedGeneration, RenderRequest, Renders
 from ..._data_plan import ModelPackedRows
 from ..._registry import register_model
+from ..._spec import ModelSpec
 from ._mask import CAUSAL, FULL, NOISE, PackLayout, dense_mask, span_attention
 from ._model import Bagel, BagelConfig, LLMConfig, MoTDecoderLayer, SiglipEncoderLayer, ViTConfig
 from ._pack import batch_to, pack_samples, patchify, pixel_space_latents, unpatchify
@@ -70,7 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @register_model("bagel")
-class BagelSpec(BuildSpec, MixedGeneration, Renders):
+class BagelSpec(ModelSpec, MixedGeneration, Renders):
     """The engine's view of BAGEL. Not a transformers class: :meth:`build` makes a :class:`Bagel`."""
 
     processor_family = "bagel"

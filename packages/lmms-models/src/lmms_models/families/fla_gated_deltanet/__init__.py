@@ -25,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import _flops
-from ..._build import BuildSpec, build_hf_style
+from ..._build import build_hf_style
 from ..._linear_attention import fla_gdn_packed_mixer
 from ..._linear_spec import LinearAttentionMixin
 from ..._registry import register_model
+from ..._spec import ModelSpec
 
 __all__ = ["FlaGatedDeltaNetSpec", "FlaSpec", "fla_models"]
 
@@ -46,7 +47,7 @@ def fla_models() -> Any:
     return fla.models
 
 
-class FlaSpec(LinearAttentionMixin, BuildSpec):
+class FlaSpec(LinearAttentionMixin, ModelSpec):
     """A causal LM of ``fla.models``: ``model.model`` with ``embeddings``, ``layers`` (each with
     its token mixer as ``.attn``) and ``norm``; ``model.lm_head``."""
 

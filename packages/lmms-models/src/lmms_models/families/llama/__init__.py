@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from ... import _flops
-from ..._build import BuildSpec
 from ..._plans import QWEN2_TP_PLAN
 from ..._registry import register_model
+from ..._spec import ModelSpec
 from ...parts.text import prepared_empty_mask, tiny_text
 
 __all__ = ["LlamaSpec"]
@@ -50,7 +50,7 @@ LLADA_8B: dict[str, Any] = dict(
 
 
 @register_model("llama")
-class LlamaSpec(BuildSpec):
+class LlamaSpec(ModelSpec):
     tp_plan = QWEN2_TP_PLAN  # same module names (q/k/v/o, gate/up/down) as Qwen2
     processor_family = "qwen2"  # text chats; real runs pass the checkpoint's own tokenizer
     liger_plan = {"rms_norm": ("LlamaRMSNorm",), "mlp": ("LlamaMLP",)}  # noqa: RUF012
@@ -75,7 +75,7 @@ class LlamaSpec(BuildSpec):
     def build_module(
         self, source: dict[str, Any] | str, device: torch.device, dtype: torch.dtype
     ) -> nn.Module:
-        """:meth:`BuildSpec.build_module`; a folder in LLaDA's layout is translated.
+        """:meth:`ModelSpec.build_module`; a folder in LLaDA's layout is translated.
 
         LLaDA folder: the config becomes a LLaMA config (``is_causal: false``, the mask token id)
         and the weights load under the upstream names (strict: every key must map and match).
