@@ -84,6 +84,12 @@ CASES: dict[str, dict] = {
                                              vision_activation_checkpointing="full",
                                              vision_activation_checkpointing_fraction=1.0),
                                  trainer={"optimizer_state_dtype": "bfloat16", **LEVERS_ON}),
+    # issue 38's point 4, second half: the Qwen2.5-VL-7B shape (bench_train's `vl7b`: the
+    # published 7B text shape over the 3B vision tower), every parameter trained, 16k, on ONE
+    # H200 with `memory: auto` (the plan's choice and its prediction against the peak)
+    "vl7b_16k_h200": dict(family="qwen2_5_vl", preset="3b", config="vl7b", T=16384,
+                          optimizer="adamw", data="vl", layout={}, compile=True, steps=6,
+                          warmup=2, trainer={"memory": "auto", **LEVERS_ON}),
     "vl3b_8k_bf16state": dict(family="qwen2_5_vl", preset="3b", T=8192, optimizer="adamw",
                               data="vl", layout=HALF_AC,
                               trainer={"optimizer_state_dtype": "bfloat16"}),

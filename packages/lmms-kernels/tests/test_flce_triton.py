@@ -266,10 +266,11 @@ def test_gpu_labelled_rows_match_all_rows_without_sync():
     torch.testing.assert_close(l1, l0, rtol=1e-3, atol=0)
     assert _rel(gh1, gh0) < 1e-2 and _rel(gw1, gw0) < 1e-2
     assert torch.count_nonzero(gh1[:2048]) == 0
+    rows_dev = rows_host.cuda()  # a pageable host-to-device copy waits for the host: done before
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, n = lk.fused_linear_cross_entropy(h, w, y, backend="triton", rows=rows_host.cuda())
+        loss, n = lk.fused_linear_cross_entropy(h, w, y, backend="triton", rows=rows_dev)
         torch.autograd.grad(loss / n, (h, w))
     finally:
         torch.cuda.set_sync_debug_mode(0)
