@@ -41,10 +41,10 @@ def stochastic_rounding_tracks_the_second_moment(dev):
     want = 1 - 0.99**300
     got = {}
     for rounding in ("stochastic", "nearest"):
-        p = torch.nn.Parameter(torch.zeros(2048, device=dev))
+        p = torch.nn.Parameter(torch.zeros(1024, device=dev))
         opt = LowPrecisionAdamW([p], lr=0.0, weight_decay=0.0, betas=(0.9, 0.99),
                                 rounding=rounding, backend="triton")  # fmt: skip
-        p.grad = torch.ones(2048, device=dev)
+        p.grad = torch.ones(1024, device=dev)
         for _ in range(300):
             opt.step()
         got[rounding] = opt.state[p]["exp_avg_sq"].float().mean().item()

@@ -190,7 +190,7 @@ def check_resume(device: str, shapes) -> list[str]:
         # both on backend="triton" (MasterMuon's fused kernels, and the Gram form's Triton
         # products in both), so the two run the same NS
         ps, a = _make(device, shapes, "triton", first, ns_method="gram")
-        for step in range(2):
+        for step in range(1):  # a momentum buffer and a step count to carry over
             for p, g in zip(ps, _grads(ps, step), strict=True):
                 p.grad = g
             a.step()
@@ -199,7 +199,7 @@ def check_resume(device: str, shapes) -> list[str]:
             for p, q in zip(ps, qs, strict=True):
                 q.copy_(p)
         b.load_state_dict(copy.deepcopy(a.state_dict()))
-        for p, q, g in zip(ps, qs, _grads(ps, 2), strict=True):
+        for p, q, g in zip(ps, qs, _grads(ps, 1), strict=True):
             p.grad, q.grad = g.clone(), g.clone()
         a.step()
         b.step()
@@ -212,7 +212,7 @@ def check_resume(device: str, shapes) -> list[str]:
                     assert_ulp_close(mb, ma)
                 assert rel(q.detach(), p.detach()) < 1e-3
             else:
-                assert float(b.state[q]["step"]) == float(a.state[p]["step"]) == 3.0
+                assert float(b.state[q]["step"]) == float(a.state[p]["step"]) == 2.0
                 torch.testing.assert_close(q, p, rtol=2e-6, atol=1e-7)
         done.append(f"resume {first.__name__} -> {second.__name__}")
     return done
@@ -225,9 +225,9 @@ CONFIGS = [
     dict(name="nesterov clip", nesterov=True, weight_decay=0.1, max_norm=[1.0, 1e9, 2.0],
          ns_method="gram"),
     dict(name="plain no-decay", nesterov=False, weight_decay=0.0, max_norm=[0.0],
-         ns_method="gram"),
+         ns_method="gram", steps=2),
     dict(name="bf16 grads", nesterov=True, weight_decay=0.1, max_norm=[1.0], bf16_grads=True,
-         ns_method="gram"),
+         ns_method="gram", steps=2),
     dict(name="standard NS", nesterov=True, weight_decay=0.1, max_norm=[1.0],
          ns_method="standard", steps=2),
 ]  # fmt: skip

@@ -24,3 +24,18 @@ def run_script(script: str, *args: str, interpret: bool = True) -> subprocess.Co
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     return r
+
+
+def rank_context():
+    """The multiprocessing context the multi-rank tests start their ranks with: "forkserver"
+    with torch and torch.distributed imported once by the server (a fresh interpreter per rank
+    spends seconds of CPU on those imports), or "spawn" where the platform has no fork server.
+    Ranks get this process's environment at the server's start: these workers read none."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor",
+                                "torch.distributed.checkpoint"])  # fmt: skip
+    return ctx

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 from optim_dist_worker import worker
+from optim_scripts import rank_context
 
 
 def _free_port():
@@ -18,7 +18,7 @@ def _free_port():
 
 
 def _spawn(world, mesh_shapes):
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     with tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
         procs = [ctx.Process(target=worker, args=(r, world, port, mesh_shapes, tmp))

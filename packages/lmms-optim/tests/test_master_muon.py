@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 from master_muon_checks import dist_worker, feed
-from optim_scripts import run_script
+from optim_scripts import rank_context, run_script
 
 import lmms_optim._master_muon as master_muon
 from lmms_optim import MasterMuon, Muon
@@ -140,12 +140,18 @@ def test_fsdp2_sharded_over_two_ranks(tmp_path):
     import json
     import socket
 
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(dist_worker, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    procs = [rank_context().Process(target=dist_worker, args=(r, 2, port, str(tmp_path)))
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        if p.is_alive():  # hung: fail below, leave nothing running
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0], "a rank failed: see the captured stderr"
     for rank in range(2):
         r = json.loads((tmp_path / f"out{rank}.json").read_text())
         assert r["diff"] <= 2 * torch.finfo(torch.float32).eps * r["scale"], r

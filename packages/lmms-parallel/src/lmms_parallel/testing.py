@@ -2,9 +2,15 @@
 
 Every multi-process parity test of the workspace goes through `spawn_ranks`: it spawns the
 ranks, joins them in a gloo process group (one thread each, a free port), runs the worker and
-hands back each rank's JSON result. Workers run many scenarios per spawn (importing torch and
-transformers costs seconds per process); `run_cases` keeps one failing scenario from hiding the
-others: its traceback becomes its result.
+hands back each rank's JSON result. Workers run many scenarios per spawn; `run_cases` keeps one
+failing scenario from hiding the others: its traceback becomes its result.
+
+Ranks start from a fork server (where the platform has one) that imported torch, torch.distributed
+and transformers once: a fresh interpreter per rank spends ~5-8 s of CPU on those imports, so a
+4-rank spawn on 2 cores took ~19 s before its first line of work, and under a second from the
+server (measured on the CI's 2-core machine). Each rank still gets the caller's environment of
+the moment (applied before the worker runs) and a fresh process: nothing but imported modules is
+shared.
 """
 
 from __future__ import annotations
@@ -50,21 +56,40 @@ def spawn_ranks(
     is destroyed). A worker that raises fails the spawn with its traceback."""
     import torch.multiprocessing as mp
 
+    env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="lmms_ranks_") as out:
-        mp.spawn(
-            _entry, args=(worker, world, free_port(), out, args, timeout_s), nprocs=world, join=True
-        )
+        mp.start_processes(
+            _entry, args=(worker, world, free_port(), out, args, timeout_s, env), nprocs=world,
+            join=True, start_method=_start_method(),
+        )  # fmt: skip
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+#: what the fork server imports once for every rank it forks (the slow imports of a worker)
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
+            "torch.distributed.checkpoint", "transformers", "transformers.modeling_utils"]  # fmt: skip
+
+
+def _start_method() -> str:
+    """The ranks' start method: "forkserver" with `_PRELOAD` where the platform has it, else
+    "spawn". The server starts with the first spawn of this process and serves every later one."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    return "forkserver"
 
 
 def _entry(
     rank: int, worker: Callable[..., dict[str, Any]], world: int, port: int, out: str,
-    args: tuple[Any, ...], timeout_s: float,
+    args: tuple[Any, ...], timeout_s: float, env: dict[str, str],
 ) -> None:  # fmt: skip
+    os.environ.clear()  # the caller's environment now, not the fork server's at its start
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     init_gloo(rank, world, port, timeout_s)
     try:
