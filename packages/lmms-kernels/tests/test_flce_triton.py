@@ -31,7 +31,8 @@ import lmms_kernels as lk
 pytest.importorskip("triton")
 from lmms_kernels import _flce_triton  # needs triton
 
-T, HD, V = 37, 24, 300  # V is not a multiple of the interpreter's 128-column block: 3 blocks, the last partial
+# V is not a multiple of the interpreter's 128-column block: 3 blocks, the last partial
+T, HD, V = 37, 24, 300
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
