@@ -132,7 +132,9 @@ def vl3_config():
 
 
 def set_attention(model) -> None:
-    """Text decoder through the test attention; the vision tower keeps SDPA."""
+    """Text decoder through the test attention (registered here, so a test that runs alone
+    finds it); the vision tower keeps SDPA."""
+    register_attention()
     cfg = model.config
     text = getattr(cfg, "text_config", None)
     cfg._attn_implementation = ATTN
