@@ -37,6 +37,31 @@ def test_registry_lists_families_and_refuses_duplicates():
     assert MODEL_REGISTRY["qwen3_vl"].name == "qwen3_vl"
 
 
+def test_tiny_config_is_a_fresh_copy_every_call():
+    """A test may edit the dict it gets (GPU tests change head counts) without changing the
+    family's constant, or any later test's config."""
+
+    def leaves(d, path=()):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from leaves(v, (*path, k))
+            else:
+                yield (*path, k), v
+
+    for name in list_models():
+        first = get_model_spec(name).tiny_config()
+        want = dict(leaves(first))
+        stack = [first]
+        while stack:  # scribble over every level of the dict we were given
+            d = stack.pop()
+            for k, v in list(d.items()):
+                if isinstance(v, dict):
+                    stack.append(v)
+                else:
+                    d[k] = "edited"
+        assert dict(leaves(get_model_spec(name).tiny_config())) == want, name
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_build_meta_and_hooks(name):
     spec = get_model_spec(name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -46,9 +47,10 @@ _SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
 
 
 def merge_tiny(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``overrides``; sub-config dicts (``text_config``, ``vision_config``,
-    ``audio_config``) are merged key by key."""
-    out = dict(base)
+    """A copy of ``base`` with ``overrides``; sub-config dicts (``text_config``,
+    ``vision_config``, ``audio_config``) are merged key by key. Deep: a caller may edit what it
+    gets without changing the family's constant."""
+    out = copy.deepcopy(base)
     for key, value in overrides.items():
         if key in _SUB_CONFIGS and isinstance(value, dict):
             out[key] = {**out.get(key, {}), **value}

@@ -7,7 +7,6 @@ positions; the decoder is upstream's, on the pack's segments.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from ..._registry import register_model
@@ -71,4 +70,4 @@ class Qwen2AudioSpec(AudioLMSpec):
     presets = {"7b": QWEN2_AUDIO_7B}  # noqa: RUF012
 
     def tiny_config(self, **overrides: Any) -> dict[str, Any]:
-        return merge_tiny(copy.deepcopy(_TINY), overrides)
+        return merge_tiny(_TINY, overrides)
