@@ -115,8 +115,6 @@ def _generate(g: Any, dataset_path: str, spec: Any) -> None:
 
     out = dataset_path if not Path(dataset_path).suffix else str(Path(dataset_path).parent)
     kind = g.kind or spec.synthetic_kind
-    if kind in ("shapes", "clips"):  # latent demos (diffusion transformers)
-        return _generate_latent_demo(g, out, kind)
     audio, vision = "input_features" in spec.media_keys, "pixel_values" in spec.media_keys
     default = "omni" if audio and vision else "audio" if audio else "vl" if vision else "text"
     generate_synthetic(kind or default, out, g.num_samples, format=g.format, seed=g.seed,
@@ -139,13 +137,3 @@ def _token_ids(path: str, *, vision: bool = True) -> dict[str, int]:
         if getattr(tok, key, None) is not None:
             ids[key] = getattr(tok, key)
     return ids
-
-
-def _generate_latent_demo(g: Any, out: str, kind: str) -> None:
-    """Synthetic ``shapes`` (image + class label) or ``clips`` (moving shape + caption)."""
-    from lmms_data import generate_synthetic_clips, generate_synthetic_shapes
-
-    if kind == "shapes":
-        generate_synthetic_shapes(out, g.num_samples, seed=g.seed, image_size=g.image_size)
-    else:
-        generate_synthetic_clips(out, g.num_samples, seed=g.seed, size=g.image_size)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
 from lmms_data._synthetic_audio import generate_synthetic_audio, generate_synthetic_omni
 from lmms_data._synthetic_bagel import generate_synthetic_bagel
+from lmms_data._synthetic_diffusion import generate_synthetic_clips, generate_synthetic_shapes
 from lmms_data._synthetic_preference import generate_synthetic_preference
 
 __all__ = ["SYNTHETIC_KINDS", "generate_synthetic"]
@@ -32,6 +33,13 @@ SYNTHETIC_KINDS: dict[str, Callable[..., object]] = {
     ),
     "bagel": lambda out, n, *, format, seed, image_size: generate_synthetic_bagel(
         out, n, seed=seed, image_size=image_size
+    ),
+    # latent demos of the diffusion transformers: labelled shapes (SiT), captioned clips (Wan)
+    "shapes": lambda out, n, *, format, seed, image_size: generate_synthetic_shapes(
+        out, n, seed=seed, image_size=image_size
+    ),
+    "clips": lambda out, n, *, format, seed, image_size: generate_synthetic_clips(
+        out, n, seed=seed, size=image_size
     ),
 }
 
