@@ -27,8 +27,15 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_balanced_packs_resume_exactly(tmp_path: Path) -> None:
+def test_balanced_packs_resume_exactly(tmp_path: Path, monkeypatch) -> None:
+    from lmms_data._loader import PackedLoader
+
+    installed = []  # what the trainer hands the loader once the model config is known
+    real = PackedLoader.set_vision_cost
+    monkeypatch.setattr(PackedLoader, "set_vision_cost",
+                        lambda self, cost: installed.append(cost) or real(self, cost))  # fmt: skip
     straight = _run(tmp_path, "straight", "trainer_args.max_steps=4", "trainer_args.save_steps=0")
+    assert [c.func.__name__ for c in installed] == ["pack_vision_flops"], installed
     _run(tmp_path, "resumed", "trainer_args.max_steps=2", "trainer_args.save_steps=2")
     resumed = _run(tmp_path, "resumed", "trainer_args.max_steps=4",
                    "trainer_args.resume_from=latest")  # fmt: skip

@@ -78,9 +78,19 @@ class TrainData:
     parts -> the packed row, `spec.finish_pack`); stateless, so the loader's state stays the
     resume point."""
 
-    def __init__(self, loader: Any, finish: Any = None, *, until_exhausted: bool = False) -> None:
+    def __init__(
+        self, loader: Any, finish: Any = None, *, until_exhausted: bool = False,
+        vision_cost: Callable[[Callable[[dict[str, Any]], float]], None] | None = None,
+    ) -> None:  # fmt: skip
         self.loader, self.finish = loader, finish
         self.until_exhausted = until_exhausted  # max_steps: -1: the run ends with the data
+        self._vision_cost = vision_cost  # the loader's setter where it balances vision work
+
+    def set_vision_cost(self, cost: Callable[[dict[str, Any]], float]) -> None:
+        """The pack cost the loader's vision balancing (`vision_balance_window`) orders by, known
+        once the model config is; no effect where the data source does not balance."""
+        if self._vision_cost is not None:
+            self._vision_cost(cost)
 
     def __iter__(self):
         it = iter(self.loader)
@@ -165,6 +175,8 @@ class DataSource(abc.ABC):
     """
 
     finish: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    #: whether `loader(dcfg)` orders packs by vision cost (lmms-data's `set_vision_cost`)
+    balances_vision: bool = False
 
     def __init__(self, cfg: TrainConfig, spec: Any, plan: Any, env: DistEnv) -> None:
         self.cfg, self.spec, self.plan, self.env = cfg, spec, plan, env
@@ -191,7 +203,9 @@ class DataSource(abc.ABC):
         dcfg = self.dataset_config()
         self.check_inputs(dcfg)
         until_exhausted = self.cfg.trainer_args.max_steps < 0  # the run ends with the data
-        return TrainData(self.loader(dcfg), self.finish, until_exhausted=until_exhausted)
+        loader = self.loader(dcfg)
+        setter = loader.set_vision_cost if self.balances_vision else None
+        return TrainData(loader, self.finish, until_exhausted=until_exhausted, vision_cost=setter)
 
     def eval_rows(self) -> Callable[[], list[dict[str, Any]]] | None:
         d, t = self.cfg.dataset_config, self.cfg.trainer_args

@@ -42,6 +42,7 @@ class TokenSource(DataSource):
     the validation loaders)."""
 
     _processor: Any = None
+    balances_vision = True  # lmms-data's PackedLoader: `vision_balance_window`
 
     def dataset_config(self, **overrides: Any) -> Any:
         dcfg = super().dataset_config(**overrides)

@@ -25,6 +25,7 @@ import yaml
 from lmms_train._banner import end_summary, start_banner
 from lmms_train._checkpoint import RunCheckpointer, saved_config
 from lmms_train._data_setup import build_data, prepare_inputs
+from lmms_train._data_source import TrainData
 from lmms_train._dist import DistEnv, init_distributed
 from lmms_train._errors import ConfigError, UserError
 from lmms_train._flops import peak_flops_for
@@ -227,14 +228,15 @@ def _start_point(cfg: TrainConfig, env: DistEnv, out: Path) -> _StartPoint:
     )
 
 
-def _model(cfg: TrainConfig, env: DistEnv, spec: Any, token_ids: Any, data: Any) -> BuiltModel:
+def _model(
+    cfg: TrainConfig, env: DistEnv, spec: Any, token_ids: Any, data: TrainData
+) -> BuiltModel:
     """The model, built once the data is known good: the memory plan first (it may stop the
     run, or choose its layout), then the build; the loader's vision balancing gets its cost."""
     seed_everything(cfg.trainer_args.seed)
     _memory_plan(cfg, env, spec, token_ids)  # may stop the run, or choose its layout (auto)
     built = build_model(cfg, env, spec, token_ids)
-    if hasattr(data, "loader") and hasattr(data.loader, "set_vision_cost"):  # balancing's cost
-        data.loader.set_vision_cost(functools.partial(spec.pack_vision_flops, built.hf_config))
+    data.set_vision_cost(functools.partial(spec.pack_vision_flops, built.hf_config))
     return built
 
 
