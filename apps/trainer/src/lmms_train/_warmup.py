@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import lmms_kernels
+
+if TYPE_CHECKING:  # _loop imports this module
+    from lmms_train._loop import Run
 
 __all__ = ["warm_up"]
 
@@ -42,7 +45,7 @@ def _set_rng_state(state: tuple[Any, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def warm_up(run: Any, batch: dict[str, Any], *, evaluate: bool = False) -> dict[str, float]:
+def warm_up(run: Run, batch: dict[str, Any], *, evaluate: bool = False) -> dict[str, float]:
     """Run the warm-up on `batch` (already on the device); returns what it did, for the log:
     seconds, dynamo graphs compiled, attention replays and FA4 kernels added."""
     model, env = run.model, run.env
@@ -51,8 +54,7 @@ def warm_up(run: Any, batch: dict[str, Any], *, evaluate: bool = False) -> dict[
     fa4_0 = lmms_kernels.fa4_variants() or 0
     rng = _rng_state(env.device)
     fsdp = hasattr(model, "set_requires_gradient_sync")
-    if hasattr(run.forward, "begin_step"):
-        run.forward.begin_step(run.state.step + 1)  # the same draws as the step's own
+    run.forward.begin_step(run.state.step + 1)  # the same draws as the step's own
     loss_sum, _ = run.forward(model, batch)
     loss = loss_sum.float() * 0.0  # its gradients are never applied
     if fsdp:
@@ -69,8 +71,7 @@ def warm_up(run: Any, batch: dict[str, Any], *, evaluate: bool = False) -> dict[
     if fsdp:
         model.zero_grad(set_to_none=True)
         run.optimizer.zero_grad(set_to_none=True)
-    if hasattr(run.forward, "take_metrics"):
-        run.forward.take_metrics()  # the warm-up's objective metrics are not the step's
+    run.forward.take_metrics()  # the warm-up's objective metrics are not the step's
     _discard_moe_counts(run)
     _set_rng_state(rng, env.device)
     if env.device.type == "cuda":
