@@ -229,7 +229,7 @@ CONFIGS = [
     dict(name="bf16 grads", nesterov=True, weight_decay=0.1, max_norm=[1.0], bf16_grads=True,
          ns_method="gram", steps=2),
     dict(name="standard NS", nesterov=True, weight_decay=0.1, max_norm=[1.0],
-         ns_method="standard", steps=2),
+         ns_method="standard", steps=1),
 ]  # fmt: skip
 
 
