@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CALLERS = [
     ROOT / "apps/trainer/src",
     ROOT / "packages/lmms-models/src/lmms_models/objectives",
+    ROOT / "packages/lmms-models/src/lmms_models/testing.py",  # every family's parity harness
+    ROOT / "packages/lmms-models/src/lmms_models/testing_audio.py",
     ROOT / "packages/lmms-parallel/src",
 ]
 

@@ -11,8 +11,10 @@ from ._capabilities import (
     GeneratesLatents,
     HasExperts,
     MixedGeneration,
+    OwnTestSamples,
     RenderRequest,
     Renders,
+    TokenTypes,
 )
 from ._data_plan import DataPlan, LatentBatches, ModelPackedRows, TokenRows
 from ._diffusion import DiffusionSpec, attach_encoder, get_encoder, place_encoders
@@ -52,11 +54,13 @@ __all__ = [
     "MoESpecMixin",
     "ModelPackedRows",
     "ModelSpec",
+    "OwnTestSamples",
     "PatchEmbedHandle",
     "QwenVLSpec",
     "RenderRequest",
     "Renders",
     "TokenRows",
+    "TokenTypes",
     "TowerShape",
     "VisionSplitPlan",
     "apply_lora",

@@ -18,7 +18,15 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["GeneratesLatents", "HasExperts", "MixedGeneration", "RenderRequest", "Renders"]
+__all__ = [
+    "GeneratesLatents",
+    "HasExperts",
+    "MixedGeneration",
+    "OwnTestSamples",
+    "RenderRequest",
+    "Renders",
+    "TokenTypes",
+]
 
 
 @runtime_checkable
@@ -139,3 +147,21 @@ class Renders(Protocol):
     file (PNG, GIF or MP4). Raises ValueError on a request the model cannot serve."""
 
     def render(self, model: nn.Module, request: RenderRequest) -> np.ndarray: ...
+
+
+@runtime_checkable
+class TokenTypes(Protocol):
+    """Positions or media placement that read a per-token media kind (the Qwen-VL lineage and
+    LLaVA-OneVision): :mod:`lmms_models.testing` packs ``mm_token_type_ids`` beside the media."""
+
+    def mm_token_type_ids(self, config: Any, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class OwnTestSamples(Protocol):
+    """Media that are not Qwen patch grids (LLaVA-OneVision's tiles): the family builds the
+    synthetic samples of :mod:`lmms_models.testing` and the upstream call's media arguments."""
+
+    def make_test_sample(self, config: Any, s: Any, *, gen: torch.Generator) -> dict[str, Any]: ...
+
+    def reference_media(self, sample: dict[str, Any]) -> dict[str, Any]: ...

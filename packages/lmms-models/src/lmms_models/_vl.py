@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ._attention import forward_pre_hook
+from ._capabilities import TokenTypes
 from ._spec import ModelSpec, to_device
 
 __all__ = ["TINY_TOKEN_IDS", "QwenVLSpec", "tiny_qwen_vision", "vision_utils"]
@@ -72,7 +73,7 @@ def vision_utils() -> Any:
     return vu
 
 
-class QwenVLSpec(ModelSpec):
+class QwenVLSpec(ModelSpec, TokenTypes):
     """Qwen-VL: ``position_ids [4, 1, T]`` (per-sample text positions, then the 3 mRoPE rows).
 
     Vision inputs from host grids: the towers derive rotary ids, ``cu_seqlens`` and the like from

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._capabilities import OwnTestSamples, TokenTypes
 from ._rows import shift_labels_packed
 from ._spec import IGNORE_INDEX, ModelSpec
 
@@ -56,9 +57,8 @@ def make_sample(
     Media blocks are ``<vision_start> <pad>*n <vision_end>``; Qwen3-VL videos get one such block
     per temporal patch (its processor separates frames with timestamps), Qwen2.5-VL one per video.
     """
-    own = getattr(spec, "make_test_sample", None)  # a family whose media are not Qwen grids
-    if own is not None:
-        return own(config, s, gen=gen)
+    if isinstance(spec, OwnTestSamples):  # a family whose media are not Qwen grids
+        return spec.make_test_sample(config, s, gen=gen)
     text_cfg = spec.text_config(config)
     ids: list[int] = []
     out: dict[str, Any] = {}
@@ -155,7 +155,7 @@ def pack_samples(
         vals = [s[key] for s in samples if key in s and key != "mm_token_type_ids"]
         if vals:
             batch[key] = torch.cat(vals)
-    if hasattr(spec, "mm_token_type_ids"):
+    if isinstance(spec, TokenTypes):
         batch["mm_token_type_ids"] = spec.mm_token_type_ids(model.config, batch["input_ids"])
     return batch
 
@@ -166,13 +166,12 @@ def reference_loss_sum(
     """Σ over samples of (upstream mean loss × supervised tokens), and the token count
     (:func:`upstream_loss_sum`; the media: the family's ``reference_media``, or the Qwen-VL
     entries, with the token types where positions have several rows)."""
-    own = getattr(spec, "reference_media", None)  # the upstream call's media arguments
 
     def media(s: dict[str, Any]) -> dict[str, Any]:
-        if own is not None:
-            return own(s)
+        if isinstance(spec, OwnTestSamples):  # the upstream call's media arguments
+            return spec.reference_media(s)
         out = {k: s[k] for k in _VL_MEDIA if k in s}
-        if spec.position_rows > 1:
+        if spec.position_rows > 1:  # mRoPE: the Qwen-VL lineage, a TokenTypes family
             out["mm_token_type_ids"] = spec.mm_token_type_ids(model.config, s["input_ids"][None])  # type: ignore[attr-defined]
         return out
 

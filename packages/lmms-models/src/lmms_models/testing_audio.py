@@ -20,6 +20,8 @@ from torch import nn
 
 from ._audio import AUDIO_TYPE_ID, whisper_lengths
 from ._spec import IGNORE_INDEX, ModelSpec
+from .parts.audio_lm import AudioLMSpec
+from .parts.omni_audio import OmniAudioPart
 from .testing import pack_rows, upstream_loss_sum
 
 __all__ = [
@@ -108,14 +110,12 @@ def pack_audio_samples(
 
 
 def audio_reference_loss_sum(
-    spec: ModelSpec, model: nn.Module, samples: Sequence[dict[str, torch.Tensor]]
+    spec: AudioLMSpec | OmniAudioPart, model: nn.Module, samples: Sequence[dict[str, torch.Tensor]]
 ) -> tuple[torch.Tensor, int]:
     """Σ over samples of (upstream mean loss × supervised tokens), and the token count
     (:func:`~lmms_models.testing.upstream_loss_sum` with each sample's padded audio windows and
     ``ref_kwargs``)."""
-    feats, mask = getattr(
-        spec, "reference_audio_keys", ("input_features", "feature_attention_mask")
-    )
+    feats, mask = spec.reference_audio_keys
 
     def media(s: dict[str, Any]) -> dict[str, Any]:
         out = {feats: s["ref_features"], mask: s["ref_mask"]} if "ref_features" in s else {}
@@ -168,7 +168,7 @@ def _merge_by_time(video_keys: list[float], n_audio: int, video: int, audio: int
 
 
 def make_omni_sample(
-    spec: ModelSpec, config: Any, s: OmniSampleSpec, *, gen: torch.Generator
+    spec: OmniAudioPart, config: Any, s: OmniSampleSpec, *, gen: torch.Generator
 ) -> dict[str, Any]:
     """One Qwen2.5-Omni / Qwen3-Omni sample in the layout of upstream's processor; ``ref_kwargs`` holds the
     upstream call's media, ``position_media`` what :meth:`sample_position_ids` needs."""
@@ -191,24 +191,24 @@ def make_omni_sample(
             continue
         frames = s.video_audio[i]
         clips.append(frames)
-        n_aud = int(spec.audio_token_lengths(torch.tensor([frames]), ac)[0])  # type: ignore[attr-defined]
+        n_aud = int(spec.audio_token_lengths(torch.tensor([frames]), ac)[0])
         ids += [vs, as_, *_video_with_audio(spec, config, s, t, n_vid, n_aud), ae, ve, *rand(1)]
     for frames in s.audios:
         clips.append(frames)
-        n_aud = int(spec.audio_token_lengths(torch.tensor([frames]), ac)[0])  # type: ignore[attr-defined]
+        n_aud = int(spec.audio_token_lengths(torch.tensor([frames]), ac)[0])
         ids += [as_] + [config.audio_token_id] * n_aud + [ae] + rand(1)
     ids += rand(s.text)
     return _omni_entries(config, s, torch.tensor(ids, dtype=torch.long), pix, vid, clips, gen)
 
 
 def _video_with_audio(
-    spec: ModelSpec, config: Any, s: OmniSampleSpec, t: int, n_vid: int, n_aud: int
+    spec: OmniAudioPart, config: Any, s: OmniSampleSpec, t: int, n_vid: int, n_aud: int
 ) -> list[int]:
     """The placeholders of a video of ``t`` frames (``n_vid`` tokens) interleaved with its sound
     track's ``n_aud``: token by token in TMRoPE time (Qwen3-Omni) or in runs of
     ``seconds_per_chunk`` (Qwen2.5-Omni)."""
     video, audio = config.video_token_id, config.audio_token_id
-    if getattr(spec, "audio_in_video", "chunks") == "tokens":
+    if spec.audio_in_video == "tokens":
         keys = [i * s.second_per_grid * config.position_id_per_seconds for i in range(t)]
         return _merge_by_time([k for k in keys for _ in range(n_vid // t)], n_aud, video, audio)
     per = int(config.position_id_per_seconds * config.seconds_per_chunk)

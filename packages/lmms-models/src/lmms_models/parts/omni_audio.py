@@ -85,6 +85,8 @@ class OmniAudioPart(QwenVLSpec):
     #: How a video and its own sound track interleave (``use_audio_in_video``): in runs of
     #: ``seconds_per_chunk`` of TMRoPE time ("chunks"), or token by token ("tokens", Qwen3-Omni).
     audio_in_video = "chunks"
+    #: the unpacked thinker's keyword arguments for padded windows and their frame mask (tests)
+    reference_audio_keys = ("input_features", "feature_attention_mask")
 
     def build(self, **kwargs: Any) -> nn.Module:
         """Upstream's build. ``pretrained`` may be a released full Omni folder (thinker, talker,

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ... import _flops
+from ..._capabilities import OwnTestSamples, TokenTypes
 from ..._registry import register_model
 from ..._spec import ModelSpec, to_device
 from ..._vl import merge_tiny
@@ -113,7 +114,7 @@ _MEDIA_KEYS = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_
 
 
 @register_model("llava_onevision")
-class LlavaOnevisionSpec(ModelSpec):
+class LlavaOnevisionSpec(ModelSpec, TokenTypes, OwnTestSamples):
     processor_family = "llava_onevision"
     liger_plan = QWEN2_LIGER_PLAN  # SigLIP's LayerNorm and GELU MLP stay upstream
     config_class = "LlavaOnevisionConfig"
