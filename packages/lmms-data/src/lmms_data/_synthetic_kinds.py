@@ -34,7 +34,7 @@ SYNTHETIC_KINDS: dict[str, Callable[..., object]] = {
     "bagel": lambda out, n, *, format, seed, image_size: generate_synthetic_bagel(
         out, n, seed=seed, image_size=image_size
     ),
-    # latent demos of the diffusion transformers: labelled shapes (SiT), captioned clips (Wan)
+    # latent demos of the diffusion transformers: class-labelled shapes, captioned clips
     "shapes": lambda out, n, *, format, seed, image_size: generate_synthetic_shapes(
         out, n, seed=seed, image_size=image_size
     ),
