@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 import bench_train  # beside this script
-from bench_memory_plan import _args, _src_paths  # beside this script
+from bench_memory_plan import bench_args, src_paths  # beside this script
 from bench_records import make_records, write_parquet  # beside this script
 
 LORA = {"rank": 16, "alpha": 32, "target_modules": ["all-linear"],
@@ -82,7 +82,7 @@ def run_case(name: str, case: dict, work: Path, cli: argparse.Namespace) -> dict
 
     # bench_memory_plan's options builder: this case's steps, no --vl-* override
     opts = argparse.Namespace(**{**vars(cli), "vl_warmup": None, "vl_steps": None})
-    args = _args({"steps": cli.steps, "warmup": cli.warmup}, opts)
+    args = bench_args({"steps": cli.steps, "warmup": cli.warmup}, opts)
     cfg = bench_train.lmms_config(name, case, work, args)
     cfg["trainer_args"].update(case.get("trainer", {}), overwrite_output_dir=True)  # reruns
     if "lora" in case:
@@ -91,7 +91,7 @@ def run_case(name: str, case: dict, work: Path, cli: argparse.Namespace) -> dict
     path.write_text(yaml.safe_dump(cfg))
     info.unlink(missing_ok=True)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(sys.path[:1] + _src_paths() + [env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(sys.path[:1] + src_paths() + [env.get("PYTHONPATH", "")])
     cmd = [sys.executable, __file__, "--run-one", str(path), str(info)]
     code, _, stderr = bench_train._run_case(cmd, env, args)
     row: dict = {"case": name, "T": cfg["dataset_config"]["packing_length"]}

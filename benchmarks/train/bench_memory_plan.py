@@ -101,7 +101,7 @@ PLAN_LINE = re.compile(r"\[lmms-train\] memory plan: peak ([0-9.]+) GiB allocate
 AUTO_LINE = re.compile(r"\[lmms-train\] memory: auto chose (.*)")
 
 
-def _args(case: dict, cli: argparse.Namespace) -> argparse.Namespace:
+def bench_args(case: dict, cli: argparse.Namespace) -> argparse.Namespace:
     """bench_train's options for one case (its config builder reads them)."""
     timed = "warmup" in case  # the timed rows: --vl-steps / --vl-warmup override
     return argparse.Namespace(
@@ -143,7 +143,7 @@ def media_share(cfg_path: Path) -> float:
 def run_case(name: str, case: dict, work: Path, cli: argparse.Namespace) -> dict:
     import yaml
 
-    args = _args(case, cli)
+    args = bench_args(case, cli)
     run = name + cli.tag  # its run folder and config file
     cfg = bench_train.lmms_config(run, case, work, args)
     if case["data"] == "vl":  # each family its own local processor folder
@@ -155,7 +155,7 @@ def run_case(name: str, case: dict, work: Path, cli: argparse.Namespace) -> dict
     cfg["trainer_args"]["memory_media_share"] = round(share, 4)
     path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ)
-    src = _src_paths(Path(cli.src) if cli.src else ROOT)
+    src = src_paths(Path(cli.src) if cli.src else ROOT)
     env["PYTHONPATH"] = os.pathsep.join(sys.path[:1] + src + [env.get("PYTHONPATH", "")])
     code, _, stderr = bench_train._run_case(
         [sys.executable, "-m", "lmms_train", str(path)], env, args
@@ -196,7 +196,7 @@ def run_case(name: str, case: dict, work: Path, cli: argparse.Namespace) -> dict
     return row
 
 
-def _src_paths(root: Path = ROOT) -> list[str]:
+def src_paths(root: Path = ROOT) -> list[str]:
     return [str(p) for p in sorted(root.glob("packages/*/src"))] + [str(root / "apps/trainer/src")]
 
 
@@ -215,7 +215,7 @@ def main() -> None:
     p.add_argument("--tag", default="", help="appended to each row's case name (and run folder)")
     p.add_argument("--json", default="bench_memory_plan.json", help="file name under $OUT")
     cli = p.parse_args()
-    sys.path[1:1] = _src_paths()  # lmms_train in this process: check-data's counter
+    sys.path[1:1] = src_paths()  # lmms_train in this process: check-data's counter
     work = Path(cli.work)
     for kind in sorted({CASES[c]["data"] for c in cli.cases}):
         target = work / f"data_{kind}" / "train.parquet"
