@@ -138,7 +138,7 @@ def run_hf(spec, conf, samples_per_row, device, args) -> dict[str, Any]:
     if args.hf_liger:
         from lmms_kernels import apply_liger
 
-        handle = apply_liger(model, spec.name)
+        handle = apply_liger(model, spec.liger_plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
 

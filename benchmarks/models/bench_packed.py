@@ -427,7 +427,7 @@ def run_lmms(spec, config, variant: str, n_tokens: int, args, device) -> dict[st
     liger = "off"
     if not args.no_liger and device.type == "cuda":
         try:
-            lmms_kernels.apply_liger(model, "qwen2_5_vl", align_mlp=v["align"])
+            lmms_kernels.apply_liger(model, spec.liger_plan, align_mlp=v["align"])
             liger = "rmsnorm+swiglu" + ("" if v["align"] else " (unaligned MLP)")
         except Exception as e:  # reported in the table, the run goes on without it
             liger = f"failed: {type(e).__name__}"

@@ -108,12 +108,22 @@ TINY_CONFIGS = {
 
 
 #: The Liger plans of the tiny models' transformers classes (as lmms-models' families state them).
+_LLAMA = {"rms_casting": "llama"}  # Liger's mode: w * (x_fp32 * rstd).to(dtype)
 LIGER_PLANS = {
-    "qwen2": {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)},
-    "qwen3": {"rms_norm": ("Qwen3RMSNorm",), "mlp": ("Qwen3MLP",)},
-    "qwen3_moe": {"rms_norm": ("Qwen3MoeRMSNorm",), "mlp": ("Qwen3MoeMLP",), "mlp_optional": True},
-    "qwen2_5_vl": {"rms_norm": ("Qwen2_5_VLRMSNorm",), "mlp": ("Qwen2MLP", "Qwen2_5_VLMLP")},
-    "qwen3_vl": {"rms_norm": ("Qwen3VLTextRMSNorm",), "mlp": ("Qwen3VLTextMLP",)},
+    "qwen2": {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",), **_LLAMA},
+    "qwen3": {"rms_norm": ("Qwen3RMSNorm",), "mlp": ("Qwen3MLP",), **_LLAMA},
+    "qwen3_moe": {
+        "rms_norm": ("Qwen3MoeRMSNorm",),
+        "mlp": ("Qwen3MoeMLP",),
+        "mlp_optional": True,
+        **_LLAMA,
+    },
+    "qwen2_5_vl": {
+        "rms_norm": ("Qwen2_5_VLRMSNorm",),
+        "mlp": ("Qwen2MLP", "Qwen2_5_VLMLP"),
+        **_LLAMA,
+    },
+    "qwen3_vl": {"rms_norm": ("Qwen3VLTextRMSNorm",), "mlp": ("Qwen3VLTextMLP",), **_LLAMA},
     "qwen3_5": {
         "rms_norm": ("Qwen3_5RMSNorm",),
         "mlp": ("Qwen3_5MLP",),

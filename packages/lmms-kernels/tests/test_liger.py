@@ -104,6 +104,9 @@ def test_zero_centred_rms_norm_uses_the_offset(fake_liger):
 def test_errors_and_cpu_fallback():
     with pytest.raises(TypeError, match="LigerPlan"):
         lk.apply_liger(torch.nn.Linear(2, 2), "qwen2")  # a name: the plan is the family's
+    no_casting = {k: v for k, v in LIGER_PLANS["qwen2"].items() if k != "rms_casting"}
+    with pytest.raises(TypeError, match="rms_casting"):  # the family states its norms' numerics
+        lk.apply_liger(tiny_model("qwen2"), no_casting)
     with pytest.raises(RuntimeError, match="found no"):  # wrong plan: nothing matches -> raise
         lk.apply_liger(tiny_model("qwen2"), LIGER_PLANS["qwen3"])
     model = tiny_model("qwen2")

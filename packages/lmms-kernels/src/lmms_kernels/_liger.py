@@ -63,16 +63,17 @@ class LigerPlan:
     """What :func:`apply_liger` patches in a model: module classes by name, as data.
 
     * ``rms_norm``: class names of the RMSNorm modules; ``mlp``: of the gate/up/down SwiGLU MLPs.
-    * ``rms_offset`` / ``rms_casting``: Liger's RMSNorm semantics: ``"llama"`` =
-      ``w * (x_fp32 * rstd).to(dtype)``, offset 0; ``"gemma"`` =
-      ``((x_fp32 * rstd) * (offset + w_fp32)).to(dtype)`` (a zero-centred weight: offset 1).
+    * ``rms_casting`` (required) / ``rms_offset``: the RMSNorm's semantics, as Liger's casting
+      modes name them: ``"llama"`` = ``w * (x_fp32 * rstd).to(dtype)``, offset 0; ``"gemma"`` =
+      ``((x_fp32 * rstd) * (offset + w_fp32)).to(dtype)`` (a zero-centred weight: offset 1);
+      ``"none"``: no casting. The family states it: it owns its norms' numerics.
     * ``mlp_optional``: a model may hold no such MLP (sparse decoders whose layers may all be MoE).
     """
 
     rms_norm: tuple[str, ...]
     mlp: tuple[str, ...]
+    rms_casting: str
     rms_offset: float = 0.0
-    rms_casting: str = "llama"
     mlp_optional: bool = False
 
     @classmethod
@@ -86,6 +87,9 @@ class LigerPlan:
                 "family states its plan: lmms_models' ModelSpec.liger_plan)"
             )
         fields = dict(plan)
+        missing = [k for k in ("rms_norm", "mlp", "rms_casting") if k not in fields]
+        if missing:
+            raise TypeError(f"the Liger plan {plan!r} lacks {missing} (LigerPlan's fields)")
         return cls(**{**fields, "rms_norm": tuple(fields["rms_norm"]), "mlp": tuple(fields["mlp"])})
 
 
@@ -123,7 +127,7 @@ def _liger_ops():
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
-    def rms_norm(x, weight, eps, offset=0.0, casting="llama"):  # see LigerPlan.rms_casting
+    def rms_norm(x, weight, eps, offset, casting):  # see LigerPlan.rms_casting
         return LigerRMSNormFunction.apply(x.contiguous(), weight, eps, offset, casting, False)
 
     def silu_mul(a, b):
@@ -136,7 +140,7 @@ def _use_liger(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def _patch_rms_norm(module: nn.Module, original, offset: float = 0.0, casting: str = "llama"):
+def _patch_rms_norm(module: nn.Module, original, offset: float, casting: str):
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if eps is None or getattr(module, "weight", None) is None:
         raise RuntimeError(
@@ -147,8 +151,6 @@ def _patch_rms_norm(module: nn.Module, original, offset: float = 0.0, casting: s
         if torch.compiler.is_compiling() or not _use_liger(hidden_states):
             return original(hidden_states)  # compiled: Inductor fuses the upstream math
         rms_norm, _ = _liger_ops()
-        if offset == 0.0 and casting == "llama":
-            return rms_norm(hidden_states, module.weight, eps)
         return rms_norm(hidden_states, module.weight, eps, offset, casting)
 
     return forward

@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 #: Liger (lmms_kernels.apply_liger) on the Qwen2 decoder, in every family that has one.
-QWEN2_LIGER_PLAN = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",)}
+QWEN2_LIGER_PLAN = {"rms_norm": ("Qwen2RMSNorm",), "mlp": ("Qwen2MLP",), "rms_casting": "llama"}
 
 #: BOS/EOS of the tiny presets' text configs (inside the tiny vocab of 1024).
 TINY_TEXT_IDS = {"bos_token_id": 1004, "eos_token_id": 1005}

@@ -53,7 +53,11 @@ LLADA_8B: dict[str, Any] = dict(
 class LlamaSpec(ModelSpec):
     tp_plan = QWEN2_TP_PLAN  # same module names (q/k/v/o, gate/up/down) as Qwen2
     processor_family = "qwen2"  # text chats; real runs pass the checkpoint's own tokenizer
-    liger_plan = {"rms_norm": ("LlamaRMSNorm",), "mlp": ("LlamaMLP",)}  # noqa: RUF012
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("LlamaRMSNorm",),
+        "mlp": ("LlamaMLP",),
+        "rms_casting": "llama",  # w * (x_fp32 * rstd).to(dtype)
+    }
     config_class = "LlamaConfig"
     model_class = "LlamaForCausalLM"
     #: LlamaModel has no ``{layer type: mask}`` branch, so no ``mask_mapping``: the packed forward

@@ -98,6 +98,7 @@ class Qwen2_5OmniSpec(OmniAudioPart, Qwen2_5VisionPart):
     liger_plan = {  # noqa: RUF012
         "rms_norm": ("Qwen2_5OmniRMSNorm",),
         "mlp": ("Qwen2MLP", "Qwen2_5OmniMLP"),
+        "rms_casting": "llama",  # w * (x_fp32 * rstd).to(dtype)
     }
     config_class = "Qwen2_5OmniThinkerConfig"
     model_class = "Qwen2_5OmniThinkerForConditionalGeneration"

@@ -20,6 +20,7 @@ class Qwen2_5_VLSpec(Qwen2_5VisionPart):
     liger_plan = {  # noqa: RUF012
         "rms_norm": ("Qwen2_5_VLRMSNorm",),
         "mlp": ("Qwen2MLP", "Qwen2_5_VLMLP"),
+        "rms_casting": "llama",  # w * (x_fp32 * rstd).to(dtype)
     }
     config_class = "Qwen2_5_VLConfig"
     model_class = "Qwen2_5_VLForConditionalGeneration"

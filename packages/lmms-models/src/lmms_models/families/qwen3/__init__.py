@@ -19,7 +19,11 @@ class Qwen3Spec(ModelSpec):
     tp_plan = QWEN3_TP_PLAN
     tp_sp_plan = QWEN3_TP_SP_PLAN
     processor_family = "qwen3"
-    liger_plan = {"rms_norm": ("Qwen3RMSNorm",), "mlp": ("Qwen3MLP",)}  # noqa: RUF012
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("Qwen3RMSNorm",),
+        "mlp": ("Qwen3MLP",),
+        "rms_casting": "llama",  # w * (x_fp32 * rstd).to(dtype)
+    }
     config_class = "Qwen3Config"
     model_class = "Qwen3ForCausalLM"
     mask_mapping = True  # upstream decoder: `isinstance(attention_mask, dict)` branch

@@ -49,6 +49,7 @@ class Qwen3MoeSpec(MoESpecMixin, ModelSpec):
     liger_plan = {  # noqa: RUF012
         "rms_norm": ("Qwen3MoeRMSNorm",),
         "mlp": ("Qwen3MoeMLP",),
+        "rms_casting": "llama",  # w * (x_fp32 * rstd).to(dtype)
         "mlp_optional": True,
     }
     aux_loss_module = "qwen3_moe"

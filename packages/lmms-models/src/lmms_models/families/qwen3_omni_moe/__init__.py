@@ -113,6 +113,7 @@ class Qwen3OmniMoeSpec(MoESpecMixin, OmniAudioPart, Qwen3VisionPart):
     liger_plan = {  # noqa: RUF012
         "rms_norm": ("Qwen3OmniMoeThinkerTextRMSNorm", "Qwen3OmniMoeTextRMSNorm"),
         "mlp": ("Qwen3OmniMoeThinkerTextMLP",),
+        "rms_casting": "llama",  # w * (x_fp32 * rstd).to(dtype)
         "mlp_optional": True,
     }
     config_class = "Qwen3OmniMoeThinkerConfig"

@@ -23,7 +23,11 @@ __all__ = ["DEEPSTACK_KEY", "DeepstackAtPositions", "Qwen3VLSpec", "deepstack_by
 class Qwen3VLSpec(Qwen3VisionPart):
     processor_family = "qwen3_vl"
     #: Liger (lmms_kernels.apply_liger): the vision tower's LayerNorm and GELU MLP stay upstream
-    liger_plan = {"rms_norm": ("Qwen3VLTextRMSNorm",), "mlp": ("Qwen3VLTextMLP",)}  # noqa: RUF012
+    liger_plan = {  # noqa: RUF012
+        "rms_norm": ("Qwen3VLTextRMSNorm",),
+        "mlp": ("Qwen3VLTextMLP",),
+        "rms_casting": "llama",  # w * (x_fp32 * rstd).to(dtype)
+    }
     config_class = "Qwen3VLConfig"
     model_class = "Qwen3VLForConditionalGeneration"
 

@@ -43,6 +43,7 @@ class Qwen3VLMoeSpec(MoESpecMixin, Qwen3VisionPart):
     liger_plan = {  # noqa: RUF012
         "rms_norm": ("Qwen3VLMoeTextRMSNorm",),
         "mlp": ("Qwen3VLMoeTextMLP",),
+        "rms_casting": "llama",  # w * (x_fp32 * rstd).to(dtype)
         "mlp_optional": True,
     }
     config_class = "Qwen3VLMoeConfig"
