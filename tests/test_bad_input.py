@@ -41,6 +41,10 @@ def test_config_errors(cfg_path, tmp_path, capsys, monkeypatch):
     _clean_failure(
         [cfg_path, "trainer_args.lerning_rate=1"], capsys, "did you mean 'learning_rate'"
     )
+    _clean_failure(  # synthetic kinds are lmms-data's registry (a family registers its own)
+        [cfg_path, "dataset_config.generate_synthetic.kind=shape"], capsys,
+        "generate_synthetic.kind: 'shape' is not registered (did you mean 'shapes'?)", "bagel",
+    )  # fmt: skip
     _clean_failure(
         [cfg_path, "model_config.load_from_config.model_type=qwen9_vl"],
         capsys, "not registered", "qwen2_5_vl", "registered:",

@@ -7,8 +7,8 @@
 - No registered family's name appears in the code of the trainer, lmms-parallel, lmms-kernels,
   lmms-pack or lmms-optim, nor in lmms-data outside its per-family processors
   (``lmms_data/processors/``): as an identifier or a code-like string (prose in messages and
-  docstrings may name a family). What is left of the names is listed in ``KNOWN_NAMES`` with
-  its count, and only shrinks: a file over its count, or under it (lower the count), fails.
+  docstrings may name a family). No exceptions: a family states its Liger casting, its
+  lmms-engine names and its demo-data kind itself.
 """
 
 from __future__ import annotations
@@ -101,24 +101,6 @@ NAME_FREE = [
 ]
 NAME_EXEMPT = "packages/lmms-data/src/lmms_data/processors/"
 
-#: Family names still in those trees (file: count), each a known debt of issue 35 to move into
-#: its family, except where noted.
-KNOWN_NAMES = {
-    # lmms-engine config conversion: the engine's own model and dataset type names
-    "apps/trainer/src/lmms_train/_convert_tables.py": 5,
-    # the `bagel` synthetic-data kind (generate_synthetic.kind: a config value)
-    "apps/trainer/src/lmms_train/config/_schema.py": 1,
-    # Liger's RMSNorm casting mode is called "llama" (not the family)
-    "packages/lmms-kernels/src/lmms_kernels/_liger.py": 4,
-    # lmms-data: the bagel synthetic records and row collation, the default processor family
-    "packages/lmms-data/src/lmms_data/__init__.py": 3,
-    "packages/lmms-data/src/lmms_data/_collate.py": 1,
-    "packages/lmms-data/src/lmms_data/_config.py": 1,
-    "packages/lmms-data/src/lmms_data/_local_processor.py": 1,  # the default family
-    "packages/lmms-data/src/lmms_data/_synthetic_bagel.py": 5,
-    "packages/lmms-data/src/lmms_data/_synthetic_kinds.py": 4,
-}
-
 _CODE_LIKE = re.compile(r"[A-Za-z0-9_.]+")
 
 
@@ -171,22 +153,14 @@ def test_no_family_names_outside_the_families():
     from lmms_models import list_models
 
     families = list_models()
-    over, stale = [], []
+    over = []
     for path in _sources(NAME_FREE):
-        rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(NAME_EXEMPT):
-            continue
-        found = family_names_in(path, families)
-        allowed = KNOWN_NAMES.get(rel, 0)
-        if len(found) > allowed:
-            over += found
-        elif len(found) < allowed:
-            stale.append(f"{rel}: {len(found)} names, KNOWN_NAMES says {allowed}")
+        if not path.relative_to(ROOT).as_posix().startswith(NAME_EXEMPT):
+            over += family_names_in(path, families)
     assert not over, (
         "a family's own hook belongs on its spec (docs/contracts.md, 'The family contract'); "
         "found family names:\n" + "\n".join(over)
     )
-    assert not stale, "lower KNOWN_NAMES to what is left:\n" + "\n".join(stale)
 
 
 def test_family_name_detector_finds(tmp_path):

@@ -15,11 +15,11 @@ from lmms_train._convert_tables import (
     _HF_DEFAULT_ONLY,
     _HF_IGNORED,
     _LIGER_TOGGLES,
-    _MODEL_TYPES,
     _SAME,
     _SAME_AS_OURS,
     _TRAINERS,
     _VIDEO_EXTRA,
+    engine_model_types,
 )
 from lmms_train.config import config_from_dict
 
@@ -267,7 +267,7 @@ def test_key_map_page_lists_every_key():
             "monkey_patch_kwargs", "overwrite_config", "lr_scheduler_type", "report_to",
             "resume_from_checkpoint", "enable_profiler", "sampling_strategy", "video_backend",
             "filter_overlong", "dataset_type", "torch_compile", "reduce_dtype",
-            *_SAME_AS_OURS, *_LIGER_TOGGLES, *_TRAINERS, *_MODEL_TYPES, *_VIDEO_EXTRA,
+            *_SAME_AS_OURS, *_LIGER_TOGGLES, *_TRAINERS, *engine_model_types(), *_VIDEO_EXTRA,
             "fineweb_edu", "deepspeed"}  # fmt: skip
     missing = sorted(k for k in keys if k not in named)
     assert not missing, f"keys the converter handles but the page does not name: {missing}"

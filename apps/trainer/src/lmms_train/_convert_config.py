@@ -20,11 +20,9 @@ import yaml
 
 from lmms_train._convert_tables import (
     _ATTENTION,
-    _DATASET_TYPES,
     _ENGINE_MARKS,
     _HF_DEFAULT_ONLY,
     _LIGER_TOGGLES,
-    _MODEL_TYPES,
     _SAME_AS_OURS,
     _SECTIONS,
     _TEXT_DATASET_TYPES,
@@ -32,6 +30,8 @@ from lmms_train._convert_tables import (
     _VIDEO_EXTRA,
     DOC,
     _registered_dataset_types,
+    engine_chat_dataset_types,
+    engine_model_types,
 )
 from lmms_train._convert_trainer import convert_trainer_args
 
@@ -151,10 +151,10 @@ class _Converter:
                     )
             elif key == "load_from_config" and isinstance(value, dict):
                 conf = {k: v for k, v in value.items() if v is not None}
-                if conf.get("model_type") in _MODEL_TYPES:
+                if conf.get("model_type") in engine_model_types():
                     self.model_type(f"{src}.model_type", conf.pop("model_type"), conf)
                 self.set("model_config.load_from_config", conf)
-            elif key == "model_type" and value in _MODEL_TYPES:
+            elif key == "model_type" and value in engine_model_types():
                 self.model_type(src, value, None)
             elif key in _SAME_AS_OURS:
                 self.same_as_ours(src, key, value)
@@ -205,7 +205,7 @@ class _Converter:
 
     def model_type(self, src: str, value: str, conf: dict[str, Any] | None) -> None:
         """An lmms-engine model type that is an lmms-train family + objective."""
-        family, objective = _MODEL_TYPES[value]
+        family, objective = engine_model_types()[value]
         if conf is not None:
             conf["model_type"] = family
             self.c.notes.append(f"{src} -> model_config.load_from_config.model_type: {family!r}")
@@ -231,7 +231,7 @@ class _Converter:
         for key, value in d.items():
             src = f"dataset_config.{key}"
             if key == "dataset_type":
-                if value in _DATASET_TYPES:
+                if value in engine_chat_dataset_types():
                     self.set("dataset_config.dataset_type", "chat", src,
                              "messages / LLaVA / ShareGPT records, detected per record")  # fmt: skip
                 elif value in _registered_dataset_types():  # lmms-train's own (e.g. text)

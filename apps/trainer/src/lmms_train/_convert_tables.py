@@ -6,6 +6,8 @@ lists every key named here (a test checks it).
 
 from __future__ import annotations
 
+import functools
+
 DOC = "docs/migrating-from-lmms-engine.md"
 _SECTIONS = ("model_config", "dataset_config", "trainer_args")
 # keys whose presence marks an lmms-engine (or HF Trainer) config
@@ -168,19 +170,14 @@ _LIGER_TOGGLES = {
 }  # fmt: skip
 # lmms-engine trainers -> the lmms-train objective that trains the same thing
 _TRAINERS = {"fsdp2_trainer": None, "hf_trainer": None, "dllm_trainer": "masked_diffusion"}
-# lmms-engine model types that are a family + an objective in lmms-train
-_MODEL_TYPES = {
-    "qwen3_dllm": ("qwen3", "masked_diffusion"),
-    "llava_video": ("llava_onevision", None),
-}
 _SCHEDULES = {"constant": "constant", "constant_with_warmup": "constant", "linear": "linear",
               "cosine": "cosine", "cosine_with_min_lr": "cosine", "warmup_stable_decay": "wsd",
               "wsd": "wsd"}  # fmt: skip
 _ATTENTION = {"flash_attention_2": "auto", "flash_attention_3": "auto", "sdpa": "sdpa",
               "eager": "sdpa", "flex_attention": "flex"}  # fmt: skip
-_DATASET_TYPES = ("vision", "vision_iterable", "vision_audio", "vision_audio_iterable",
-                  "qwen3_vl_iterable", "qwen_omni_iterable", "qwen3_5_iterable", "multimodal",
-                  "chat", "llava_video")  # fmt: skip
+# lmms-engine dataset types of chat records (each family adds its own: engine_dataset_types)
+_CHAT_DATASET_TYPES = ("vision", "vision_iterable", "vision_audio", "vision_audio_iterable",
+                       "qwen_omni_iterable", "multimodal", "chat")  # fmt: skip
 # lmms-engine pretraining text datasets -> lmms-data's `text` adapter (plain text records)
 _TEXT_DATASET_TYPES = ("fineweb_edu", "fineweb", "pretrain", "text_pretrain")
 # the keys of lmms-engine's LLaVA-Video dataset extra_kwargs -> their lmms-train home
@@ -195,3 +192,30 @@ def _registered_dataset_types() -> frozenset[str]:
     from lmms_data import DATASET_REGISTRY
 
     return frozenset(DATASET_REGISTRY.names())
+
+
+def _specs() -> list:
+    from lmms_models import get_model_spec, list_models
+
+    return [get_model_spec(name) for name in list_models()]
+
+
+@functools.cache
+def engine_model_types() -> dict[str, tuple[str, str | None]]:
+    """lmms-engine ``model_type`` -> (the lmms-train family, its objective or None), as the
+    families declare them (``ModelSpec.engine_model_types``)."""
+    found: dict[str, tuple[str, str | None]] = {}
+    for spec in _specs():
+        for engine, objective in spec.engine_model_types.items():
+            if engine in found and found[engine][0] != spec.name:
+                raise RuntimeError(f"lmms-engine model_type {engine!r} is claimed by the "
+                                   f"{found[engine][0]} and {spec.name} families")  # fmt: skip
+            found[engine] = (spec.name, objective)
+    return found
+
+
+@functools.cache
+def engine_chat_dataset_types() -> frozenset[str]:
+    """lmms-engine ``dataset_type`` values whose records are chat records: the common ones and
+    those the families declare (``ModelSpec.engine_dataset_types``)."""
+    return frozenset(_CHAT_DATASET_TYPES).union(*(s.engine_dataset_types for s in _specs()))

@@ -63,7 +63,7 @@ def _spec_problems(cfg: TrainConfig, problems: list[str]) -> Any:
 
 
 def _name_problems(cfg: TrainConfig, spec: Any, problems: list[str]) -> None:
-    from lmms_data import DATASET_REGISTRY, PROCESSOR_REGISTRY
+    from lmms_data import DATASET_REGISTRY, PROCESSOR_REGISTRY, SYNTHETIC_KINDS
     from lmms_kernels import BACKENDS
     from lmms_models import GeneratesLatents
     from lmms_pack import STREAM_STRATEGIES
@@ -75,6 +75,9 @@ def _name_problems(cfg: TrainConfig, spec: Any, problems: list[str]) -> None:
         ("trainer_args.attn_backend", t.attn_backend, ["auto", *BACKENDS]),
         ("trainer_args.loss_backend", t.loss_backend, list(_LOSS_BACKENDS)),
     ]
+    if d.generate_synthetic is not None and d.generate_synthetic.kind is not None:
+        kinds = list(SYNTHETIC_KINDS)
+        checks.append(("dataset_config.generate_synthetic.kind", d.generate_synthetic.kind, kinds))
     if t.vision_attn_backend is not None:
         vision = ["auto", *BACKENDS]
         checks.append(("trainer_args.vision_attn_backend", t.vision_attn_backend, vision))

@@ -13,7 +13,7 @@ Public API::
     generate_synthetic_text(out_dir, n, format="parquet" | "jsonl", seed=0)   # text-only records
     generate_synthetic_audio(out_dir, n, format="parquet" | "jsonl", seed=0)  # tone "digits"
     generate_synthetic_omni(out_dir, n, ...)   # half image records, half audio records
-    generate_synthetic_bagel(out_dir, n, ...)  # shapes: captions, drawings, edits (BAGEL)
+    generate_synthetic(kind, out_dir, n, ...)  # any kind of SYNTHETIC_KINDS, e.g. "bagel"
     decode_audio(src, sampling_rate) ; AudioOptions(...)   # the audio path (extra `audio`)
     resolve_hub_path("org/name[@rev]", kind="model" | "processor" | "dataset") -> local folder
 """
@@ -50,7 +50,6 @@ from lmms_data._remote import dataset_path_exists
 from lmms_data._stream import SlotStream
 from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
 from lmms_data._synthetic_audio import generate_synthetic_audio, generate_synthetic_omni
-from lmms_data._synthetic_bagel import generate_synthetic_bagel
 from lmms_data._synthetic_diffusion import generate_synthetic_clips, generate_synthetic_shapes
 from lmms_data._synthetic_kinds import SYNTHETIC_KINDS, generate_synthetic
 from lmms_data._synthetic_preference import generate_synthetic_preference
@@ -105,7 +104,6 @@ __all__ = [
     "discover_units",
     "generate_synthetic",
     "generate_synthetic_audio",
-    "generate_synthetic_bagel",
     "generate_synthetic_clips",
     "generate_synthetic_omni",
     "generate_synthetic_preference",

@@ -27,7 +27,7 @@ def collate_packed_batch(
     parts instead (``lmms_data.processors.collate_parts``).
     """
     if samples and "parts" in samples[0]:
-        from lmms_data.processors._bagel import collate_parts
+        from lmms_data.processors import collate_parts
 
         return collate_parts(samples)
     row: dict[str, Any] = collate_packed(samples, **pack_options)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmms_data._registry import check_keys
+from lmms_data.processors import DEFAULT_PROCESSOR_FAMILY
 
 BAD_RECORD_POLICIES = ("skip", "raise")
 FORMATS = ("jsonl", "json", "json_array", "parquet", "arrow", "hf")
@@ -28,7 +29,7 @@ class DatasetConfig:
     data_folder: str | None = None  # base of relative media paths (default: the shard's folder)
     allow_absolute_paths: bool = False  # media paths may be absolute / escape data_folder
     mixture_weights: list[float] | None = None  # one per dataset_path entry
-    processor_family: str = "qwen2_5_vl"
+    processor_family: str = DEFAULT_PROCESSOR_FAMILY
     processor_path: str | None = None  # local HF-format folder (AutoProcessor.from_pretrained)
     packing: bool = True
     packing_strategy: str = "first_fit"

@@ -104,7 +104,7 @@ def _has_torchvision() -> bool:
 
 def build_local_processor(
     out_dir: str,
-    family: str = "qwen2_5_vl",
+    family: str | None = None,
     *,
     vocab_size: int = 1024,
     min_pixels: int = 56 * 56,
@@ -112,13 +112,14 @@ def build_local_processor(
 ) -> dict[str, Any]:
     """Write a tokenizer + chat template + image processor folder to ``out_dir`` (< 1 s), as the
     processor family ``family`` registered it (:data:`LOCAL_PROCESSOR_BUILDERS`; text families
-    get a tokenizer-only folder).
+    get a tokenizer-only folder; None: ``lmms_data.processors.DEFAULT_PROCESSOR_FAMILY``).
 
     Returns ``{"path", "vocab_size", "image_token_id", "video_token_id", "vision_start_token_id",
     "vision_end_token_id", "eos_token_id", "pad_token_id", ...}`` so a tiny model config can match.
     """
-    import lmms_data.processors  # noqa: F401  (the families register their builders)
+    from lmms_data.processors import DEFAULT_PROCESSOR_FAMILY  # the families register builders
 
+    family = family or DEFAULT_PROCESSOR_FAMILY
     builder = LOCAL_PROCESSOR_BUILDERS.get(family)
     if builder is None:
         raise ValueError(f"unknown family {family!r}; known: {sorted(LOCAL_PROCESSOR_BUILDERS)}")

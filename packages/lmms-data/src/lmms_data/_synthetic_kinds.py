@@ -1,6 +1,7 @@
 """``generate_synthetic(kind, ...)``: the demo record generators of lmms-data by kind, one table
 (what ``dataset_config.generate_synthetic.kind`` names; a model family's default kind is its
-``synthetic_kind``)."""
+``synthetic_kind``). A family's own demo data registers its kind from its module under
+``lmms_data.processors`` (:func:`register_synthetic_kind`)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ from collections.abc import Callable
 
 from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
 from lmms_data._synthetic_audio import generate_synthetic_audio, generate_synthetic_omni
-from lmms_data._synthetic_bagel import generate_synthetic_bagel
 from lmms_data._synthetic_diffusion import generate_synthetic_clips, generate_synthetic_shapes
 from lmms_data._synthetic_preference import generate_synthetic_preference
 
-__all__ = ["SYNTHETIC_KINDS", "generate_synthetic"]
+__all__ = ["SYNTHETIC_KINDS", "generate_synthetic", "register_synthetic_kind"]
 
 #: ``kind -> generator(out_dir, n, *, format, seed, image_size)`` (each takes what it uses)
 SYNTHETIC_KINDS: dict[str, Callable[..., object]] = {
@@ -31,9 +31,6 @@ SYNTHETIC_KINDS: dict[str, Callable[..., object]] = {
     "preference": lambda out, n, *, format, seed, image_size: generate_synthetic_preference(
         out, n, seed=seed, image_size=image_size
     ),
-    "bagel": lambda out, n, *, format, seed, image_size: generate_synthetic_bagel(
-        out, n, seed=seed, image_size=image_size
-    ),
     # latent demos of the diffusion transformers: class-labelled shapes, captioned clips
     "shapes": lambda out, n, *, format, seed, image_size: generate_synthetic_shapes(
         out, n, seed=seed, image_size=image_size
@@ -42,6 +39,18 @@ SYNTHETIC_KINDS: dict[str, Callable[..., object]] = {
         out, n, seed=seed, size=image_size
     ),
 }
+
+
+def register_synthetic_kind(name: str) -> Callable[[Callable[..., object]], Callable[..., object]]:
+    """Decorator: add ``generator(out_dir, n, *, format, seed, image_size)`` as kind ``name``."""
+
+    def add(generator: Callable[..., object]) -> Callable[..., object]:
+        if name in SYNTHETIC_KINDS:
+            raise ValueError(f"synthetic kind {name!r} is already registered")
+        SYNTHETIC_KINDS[name] = generator
+        return generator
+
+    return add
 
 
 def generate_synthetic(

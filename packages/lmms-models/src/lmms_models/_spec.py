@@ -82,6 +82,11 @@ class ModelSpec(SpecEstimates):
     #: diffusers' ``_class_name`` values of checkpoint folders this family loads (their
     #: config.json has no ``model_type``), e.g. Wan's ``WanTransformer3DModel``.
     folder_class_names: tuple[str, ...] = ()
+    #: lmms-engine's names for this family, read by ``lmms-train convert-config``: its
+    #: ``model_type`` values, each with the objective it implies (None: the family's default),
+    #: and its ``dataset_type`` values whose records are chat records (``dataset_type: chat``).
+    engine_model_types: dict[str, str | None] = {}  # noqa: RUF012
+    engine_dataset_types: tuple[str, ...] = ()
     #: Parallel plans as data, ``{module pattern: style}`` relative to :meth:`plan_root`, applied
     #: by lmms_parallel's ``apply_tp`` / ``apply_ep`` (lmms_models._plans, EXPERTS_EP_PLAN).
     #: Empty: the family does not support that kind of parallelism.

@@ -127,14 +127,13 @@ class ModelConfig:
 class SyntheticDataConfig:
     """Generate a deterministic synthetic dataset if `dataset_path` is missing."""
 
-    kind: (
-        Literal["vl", "text", "shapes", "clips", "audio", "omni", "bagel", "preference"] | None
-    ) = _f(
+    kind: str | None = _f(
         None,
-        "`shapes`: coloured shapes with class labels, `clips`: moving-shape clips with captions "
-        "(diffusion transformers: `lmms_data.generate_synthetic_shapes` / `_clips`; the "
+        "A kind of `lmms_data.SYNTHETIC_KINDS` (a family's own demo data registers its kind "
+        "there). `shapes`: coloured shapes with class labels, `clips`: moving-shape clips with "
+        "captions (diffusion transformers: `lmms_data.generate_synthetic_shapes` / `_clips`; the "
         "default for sit / wan); `bagel`: shapes to caption, to draw and to recolour "
-        "(`generate_synthetic_bagel`; the default for bagel); "
+        "(`lmms_data.processors.generate_synthetic_bagel`; the default for bagel); "
         "`vl`: coloured-shape images with questions (`lmms_data.generate_synthetic_vl`); `text`: "
         "text-only chats (sums, copy, reverse; `generate_synthetic_text`); `audio`: tone "
         '"digits" with questions (`generate_synthetic_audio`); `omni`: half of each of `vl` '

@@ -1,4 +1,5 @@
-"""Per-family processors (chat record -> sample); registered by name in ``PROCESSOR_REGISTRY``."""
+"""Per-family processors (chat record -> sample); registered by name in ``PROCESSOR_REGISTRY``.
+A family's own demo records register here too (``SYNTHETIC_KINDS``)."""
 
 from lmms_data.processors._audio import (
     AUDIO_TYPE_ID,
@@ -6,6 +7,7 @@ from lmms_data.processors._audio import (
     audio_output_lengths,
 )
 from lmms_data.processors._bagel import BagelDataProcessor, collate_parts
+from lmms_data.processors._bagel_synthetic import generate_synthetic_bagel
 from lmms_data.processors._chat import IGNORE_INDEX, tokenize_chat
 from lmms_data.processors._llava_onevision import LlavaOnevisionDataProcessor, anyres_image_tokens
 from lmms_data.processors._mrope import mrope_positions
@@ -20,8 +22,12 @@ from lmms_data.processors._qwen_vl import (
 )
 from lmms_data.processors._text import TEXT_FAMILIES, QwenTextProcessor
 
+#: The processor of a ``DatasetConfig`` that names none (the quickstart's vision-language family).
+DEFAULT_PROCESSOR_FAMILY = "qwen2_5_vl"
+
 __all__ = [
     "AUDIO_TYPE_ID",
+    "DEFAULT_PROCESSOR_FAMILY",
     "IGNORE_INDEX",
     "TEXT_FAMILIES",
     "BagelDataProcessor",
@@ -37,6 +43,7 @@ __all__ = [
     "anyres_image_tokens",
     "audio_output_lengths",
     "collate_parts",
+    "generate_synthetic_bagel",
     "mrope_positions",
     "smart_resize",
     "tmrope_positions",

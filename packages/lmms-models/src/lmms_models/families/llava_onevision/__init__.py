@@ -115,6 +115,8 @@ _MEDIA_KEYS = ("pixel_values", "image_sizes", "batch_num_images", "pixel_values_
 
 @register_model("llava_onevision")
 class LlavaOnevisionSpec(ModelSpec, TokenTypes, OwnTestSamples):
+    engine_model_types = {"llava_video": None}  # noqa: RUF012 (lmms-engine LLaVA-Video)
+    engine_dataset_types = ("llava_video",)
     processor_family = "llava_onevision"
     liger_plan = QWEN2_LIGER_PLAN  # SigLIP's LayerNorm and GELU MLP stay upstream
     config_class = "LlavaOnevisionConfig"

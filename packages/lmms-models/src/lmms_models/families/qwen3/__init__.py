@@ -19,6 +19,7 @@ class Qwen3Spec(ModelSpec):
     tp_plan = QWEN3_TP_PLAN
     tp_sp_plan = QWEN3_TP_SP_PLAN
     processor_family = "qwen3"
+    engine_model_types = {"qwen3_dllm": "masked_diffusion"}  # noqa: RUF012 (lmms-engine dLLM)
     liger_plan = {  # noqa: RUF012
         "rms_norm": ("Qwen3RMSNorm",),
         "mlp": ("Qwen3MLP",),

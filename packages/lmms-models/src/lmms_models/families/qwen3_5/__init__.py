@@ -60,6 +60,7 @@ QWEN3_5_2B: dict[str, Any] = {
 
 @register_model("qwen3_5")
 class Qwen3_5Spec(HybridQwenMixin, Qwen3VisionPart):
+    engine_dataset_types = ("qwen3_5_iterable",)  # lmms-engine's Qwen3.5 records
     processor_family = "qwen3_vl"  # the released checkpoints ship Qwen3-VL's processor
     #: Liger (lmms_kernels.apply_liger): zero-centred RMSNorm weight, x * (1 + w) in fp32 (the Gated
     #: DeltaNet mixer's gated norm and the vision tower's GELU MLP stay upstream)

@@ -21,6 +21,7 @@ __all__ = ["DEEPSTACK_KEY", "DeepstackAtPositions", "Qwen3VLSpec", "deepstack_by
 
 @register_model("qwen3_vl")
 class Qwen3VLSpec(Qwen3VisionPart):
+    engine_dataset_types = ("qwen3_vl_iterable",)  # lmms-engine's Qwen3-VL records
     processor_family = "qwen3_vl"
     #: Liger (lmms_kernels.apply_liger): the vision tower's LayerNorm and GELU MLP stay upstream
     liger_plan = {  # noqa: RUF012

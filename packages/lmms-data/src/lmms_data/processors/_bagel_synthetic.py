@@ -20,6 +20,8 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
+from lmms_data._synthetic_kinds import register_synthetic_kind
+
 __all__ = [
     "BAGEL_COLOURS",
     "BAGEL_SHAPES",
@@ -92,3 +94,9 @@ def generate_synthetic_bagel(
     path = os.path.join(out_dir, "shard-00000.parquet")
     pq.write_table(table, path, row_group_size=rows_per_group)
     return path
+
+
+@register_synthetic_kind("bagel")
+def _bagel_kind(out: str, n: int, *, format: str, seed: int, image_size: int) -> None:
+    del format  # always Parquet: the images ride in a binary list column
+    generate_synthetic_bagel(out, n, seed=seed, image_size=image_size)
