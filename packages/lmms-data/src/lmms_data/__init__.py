@@ -51,7 +51,7 @@ from lmms_data._stream import SlotStream
 from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
 from lmms_data._synthetic_audio import generate_synthetic_audio, generate_synthetic_omni
 from lmms_data._synthetic_diffusion import generate_synthetic_clips, generate_synthetic_shapes
-from lmms_data._synthetic_kinds import SYNTHETIC_KINDS, generate_synthetic
+from lmms_data._synthetic_kinds import SYNTHETIC_KINDS, generate_synthetic, register_synthetic_kind
 from lmms_data._synthetic_preference import generate_synthetic_preference
 from lmms_data.processors import (
     AUDIO_TYPE_ID,
@@ -119,6 +119,7 @@ __all__ = [
     "processors",
     "register_dataset",
     "register_processor",
+    "register_synthetic_kind",
     "resolve_hub_path",
     "split_hub_id",
 ]
