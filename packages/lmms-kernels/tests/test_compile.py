@@ -241,7 +241,8 @@ def test_liger_patched_blocks_compile_with_upstream_math(monkeypatch):
     trace into Liger's Triton launchers), and Liger's ops outside them."""
     calls = {"rms": 0, "swiglu": 0}
 
-    def rms(x, w, eps):
+    def rms(x, w, eps, offset, casting):
+        assert (offset, casting) == (0.0, "llama")  # the qwen2 plan's numerics
         calls["rms"] += 1
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
