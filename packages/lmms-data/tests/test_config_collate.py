@@ -48,7 +48,7 @@ def test_synthetic_kinds_registry(tmp_path):
     try:
         ld.generate_synthetic("test_rows", str(tmp_path), 3, seed=5)
         assert (tmp_path / "rows.txt").read_text() == "3 parquet 5 64"
-        with pytest.raises(ValueError, match="known: .*test_rows"):
+        with pytest.raises(ValueError, match=r"known: .*test_rows"):
             ld.generate_synthetic("test_rowz", str(tmp_path), 3)
     finally:
         del ld.SYNTHETIC_KINDS["test_rows"]
