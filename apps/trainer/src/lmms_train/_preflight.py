@@ -76,7 +76,7 @@ def _name_problems(cfg: TrainConfig, spec: Any, problems: list[str]) -> None:
         ("trainer_args.loss_backend", t.loss_backend, list(_LOSS_BACKENDS)),
     ]
     if d.generate_synthetic is not None and d.generate_synthetic.kind is not None:
-        kinds = list(SYNTHETIC_KINDS)
+        kinds = SYNTHETIC_KINDS.names()
         checks.append(("dataset_config.generate_synthetic.kind", d.generate_synthetic.kind, kinds))
     if t.vision_attn_backend is not None:
         vision = ["auto", *BACKENDS]

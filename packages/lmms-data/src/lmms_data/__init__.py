@@ -13,7 +13,7 @@ Public API::
     generate_synthetic_text(out_dir, n, format="parquet" | "jsonl", seed=0)   # text-only records
     generate_synthetic_audio(out_dir, n, format="parquet" | "jsonl", seed=0)  # tone "digits"
     generate_synthetic_omni(out_dir, n, ...)   # half image records, half audio records
-    generate_synthetic(kind, out_dir, n, ...)  # any kind of SYNTHETIC_KINDS, e.g. "bagel"
+    generate_synthetic(kind, out_dir, n, ...)  # any kind of SYNTHETIC_KINDS (families add theirs)
     decode_audio(src, sampling_rate) ; AudioOptions(...)   # the audio path (extra `audio`)
     resolve_hub_path("org/name[@rev]", kind="model" | "processor" | "dataset") -> local folder
 """

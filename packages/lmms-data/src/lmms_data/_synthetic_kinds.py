@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lmms_data._registry import Registry
 from lmms_data._synthetic import generate_synthetic_text, generate_synthetic_vl
 from lmms_data._synthetic_audio import generate_synthetic_audio, generate_synthetic_omni
 from lmms_data._synthetic_diffusion import generate_synthetic_clips, generate_synthetic_shapes
@@ -14,8 +15,18 @@ from lmms_data._synthetic_preference import generate_synthetic_preference
 
 __all__ = ["SYNTHETIC_KINDS", "generate_synthetic", "register_synthetic_kind"]
 
-#: ``kind -> generator(out_dir, n, *, format, seed, image_size)`` (each takes what it uses)
-SYNTHETIC_KINDS: dict[str, Callable[..., object]] = {
+Generator = Callable[..., object]
+#: ``kind -> generator(out_dir, n, *, format, seed, image_size)`` (each takes what it uses);
+#: lmms-data's one registry mechanism (``lmms_data._registry.Registry``)
+SYNTHETIC_KINDS: Registry[Generator] = Registry("synthetic kind")
+
+
+def register_synthetic_kind(name: str) -> Callable[[Generator], Generator]:
+    """Decorator: add ``generator(out_dir, n, *, format, seed, image_size)`` as kind ``name``."""
+    return SYNTHETIC_KINDS.register(name)
+
+
+_BUILT_IN: dict[str, Generator] = {
     "text": lambda out, n, *, format, seed, image_size: generate_synthetic_text(
         out, n, format=format, seed=seed
     ),
@@ -39,18 +50,8 @@ SYNTHETIC_KINDS: dict[str, Callable[..., object]] = {
         out, n, seed=seed, size=image_size
     ),
 }
-
-
-def register_synthetic_kind(name: str) -> Callable[[Callable[..., object]], Callable[..., object]]:
-    """Decorator: add ``generator(out_dir, n, *, format, seed, image_size)`` as kind ``name``."""
-
-    def add(generator: Callable[..., object]) -> Callable[..., object]:
-        if name in SYNTHETIC_KINDS:
-            raise ValueError(f"synthetic kind {name!r} is already registered")
-        SYNTHETIC_KINDS[name] = generator
-        return generator
-
-    return add
+for _name, _generator in _BUILT_IN.items():
+    register_synthetic_kind(_name)(_generator)
 
 
 def generate_synthetic(
@@ -59,5 +60,5 @@ def generate_synthetic(
 ) -> None:  # fmt: skip
     """Write ``n`` synthetic records of ``kind`` (:data:`SYNTHETIC_KINDS`) under ``out_dir``."""
     if kind not in SYNTHETIC_KINDS:
-        raise ValueError(f"unknown synthetic kind {kind!r}; known: {sorted(SYNTHETIC_KINDS)}")
-    SYNTHETIC_KINDS[kind](out_dir, n, format=format, seed=seed, image_size=image_size)
+        raise ValueError(f"unknown synthetic kind {kind!r}; known: {SYNTHETIC_KINDS.names()}")
+    SYNTHETIC_KINDS.get(kind)(out_dir, n, format=format, seed=seed, image_size=image_size)

@@ -7,8 +7,8 @@ Triton ops. Nothing global changes: other models of the same class are untouched
 objects with the very same ``__dict__`` and produce bit-identical outputs.
 
 What is patched is the caller's :class:`LigerPlan`: the class names of the RMSNorm modules and
-of the gate/up/down SwiGLU MLPs, and the RMSNorm's semantics (``"llama"``: ``w * x``;
-``"gemma"`` with offset 1: a zero-centred ``x * (1 + w)``). This package knows no model: each
+of the gate/up/down SwiGLU MLPs, and the RMSNorm's semantics (Liger's casting mode: ``w * x``, or
+with offset 1 a zero-centred ``x * (1 + w)``). This package knows no model: each
 model family states its plan (lmms-models: ``ModelSpec.liger_plan``, docs/kernels.md lists them).
 
 Not patched, on purpose: MoE experts (grouped ``Qwen3MoeExperts`` weights, not a SwiGLU module);
@@ -63,10 +63,10 @@ class LigerPlan:
     """What :func:`apply_liger` patches in a model: module classes by name, as data.
 
     * ``rms_norm``: class names of the RMSNorm modules; ``mlp``: of the gate/up/down SwiGLU MLPs.
-    * ``rms_casting`` (required) / ``rms_offset``: the RMSNorm's semantics, as Liger's casting
-      modes name them: ``"llama"`` = ``w * (x_fp32 * rstd).to(dtype)``, offset 0; ``"gemma"`` =
-      ``((x_fp32 * rstd) * (offset + w_fp32)).to(dtype)`` (a zero-centred weight: offset 1);
-      ``"none"``: no casting. The family states it: it owns its norms' numerics.
+    * ``rms_casting`` (required) / ``rms_offset``: the RMSNorm's semantics, one of Liger's
+      ``casting_mode`` strings: the x-only upcast ``w * (x_fp32 * rstd).to(dtype)`` (offset 0),
+      the x-and-w upcast ``((x_fp32 * rstd) * (offset + w_fp32)).to(dtype)`` (a zero-centred
+      weight: offset 1), or no casting. The family states it: it owns its norms' numerics.
     * ``mlp_optional``: a model may hold no such MLP (sparse decoders whose layers may all be MoE).
     """
 
@@ -87,9 +87,6 @@ class LigerPlan:
                 "family states its plan: lmms_models' ModelSpec.liger_plan)"
             )
         fields = dict(plan)
-        missing = [k for k in ("rms_norm", "mlp", "rms_casting") if k not in fields]
-        if missing:
-            raise TypeError(f"the Liger plan {plan!r} lacks {missing} (LigerPlan's fields)")
         return cls(**{**fields, "rms_norm": tuple(fields["rms_norm"]), "mlp": tuple(fields["mlp"])})
 
 

@@ -129,11 +129,11 @@ class SyntheticDataConfig:
 
     kind: str | None = _f(
         None,
-        "A kind of `lmms_data.SYNTHETIC_KINDS` (a family's own demo data registers its kind "
-        "there). `shapes`: coloured shapes with class labels, `clips`: moving-shape clips with "
-        "captions (diffusion transformers: `lmms_data.generate_synthetic_shapes` / `_clips`; the "
-        "default for sit / wan); `bagel`: shapes to caption, to draw and to recolour "
-        "(`lmms_data.processors.generate_synthetic_bagel`; the default for bagel); "
+        "A kind of `lmms_data.SYNTHETIC_KINDS`; a family with demo data of its own registers "
+        "its kind there (the family's docs page names it). `shapes`: coloured "
+        "shapes with class labels, `clips`: moving-shape clips with captions (diffusion "
+        "transformers: `lmms_data.generate_synthetic_shapes` / `_clips`; the default for sit / "
+        "wan); "
         "`vl`: coloured-shape images with questions (`lmms_data.generate_synthetic_vl`); `text`: "
         "text-only chats (sums, copy, reverse; `generate_synthetic_text`); `audio`: tone "
         '"digits" with questions (`generate_synthetic_audio`); `omni`: half of each of `vl` '
