@@ -40,6 +40,29 @@ def test_readme_test_command_is_what_ci_runs():
     assert tests in (REPO / ".ci" / "run").read_text()
 
 
+def test_the_whole_suite_runs_on_two_workers_and_a_path_in_one_process(monkeypatch):
+    """The README's test command runs on the root conftest's workers (`-n auto`); paths or ids
+    given to pytest, or a 1-core machine, run in one process."""
+    import importlib.util
+    import tomllib
+    from types import SimpleNamespace
+
+    ini = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert {"-n", "auto", "--dist", "loadfile"} <= set(ini["addopts"].split())
+    spec = importlib.util.spec_from_file_location("root_conftest", REPO / "conftest.py")
+    root = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root)
+    sources = pytest.Config.ArgsSource
+    for cores, source, want in [(2, sources.TESTPATHS, 2), (64, sources.TESTPATHS, 2),
+                                (1, sources.TESTPATHS, 0), (2, sources.ARGS, 0),
+                                (2, sources.INVOCATION_DIR, 0)]:  # fmt: skip
+        monkeypatch.setattr(
+            os, "sched_getaffinity", lambda _, n=cores: set(range(n)), raising=False
+        )
+        got = root.pytest_xdist_auto_num_workers(SimpleNamespace(args_source=source))
+        assert got == want, (cores, source, got)
+
+
 def _clean_copy(dst: Path) -> None:
     files = subprocess.run(
         ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True

@@ -107,6 +107,9 @@ def test_errors_and_cpu_fallback():
     no_casting = {k: v for k, v in LIGER_PLANS["qwen2"].items() if k != "rms_casting"}
     with pytest.raises(TypeError, match="rms_casting"):  # the family states its norms' numerics
         lk.apply_liger(tiny_model("qwen2"), no_casting)
+    no_mlp = {k: v for k, v in LIGER_PLANS["qwen2"].items() if k != "mlp"}
+    with pytest.raises(TypeError, match="'mlp'"):  # any missing field is named, not a KeyError
+        lk.apply_liger(tiny_model("qwen2"), no_mlp)
     with pytest.raises(RuntimeError, match="found no"):  # wrong plan: nothing matches -> raise
         lk.apply_liger(tiny_model("qwen2"), LIGER_PLANS["qwen3"])
     model = tiny_model("qwen2")

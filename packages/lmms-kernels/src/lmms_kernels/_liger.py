@@ -86,8 +86,9 @@ class LigerPlan:
                 f"apply_liger takes a LigerPlan or a mapping of its fields, got {plan!r} (a model "
                 "family states its plan: lmms_models' ModelSpec.liger_plan)"
             )
-        fields = dict(plan)
-        return cls(**{**fields, "rms_norm": tuple(fields["rms_norm"]), "mlp": tuple(fields["mlp"])})
+        # the dataclass names a missing field in its TypeError
+        names = {k: tuple(plan[k]) for k in ("rms_norm", "mlp") if k in plan}
+        return cls(**{**plan, **names})
 
 
 _SILU_NAMES = frozenset({"SiLU", "SiLUActivation"})
